@@ -1,0 +1,108 @@
+"""The ``epserve`` command: ``generate`` streams one prompt's text; ``serve`` runs the server.
+
+Invariants: with no ``--model`` every command uses the built-in demo model (built locally on
+first use, nothing downloaded); bad input exits with status 2 and one clear line on stderr.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from typing import Sequence
+
+
+def _engine_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--model", default=None,
+                   help="Hugging Face checkpoint folder (default: the built-in demo model, "
+                        "random weights)")
+    p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
+    p.add_argument("--device", default="auto", help="auto (CUDA when present), cpu, cuda:N")
+    p.add_argument("--max-model-len", type=int, default=None)
+    p.add_argument("--max-num-seqs", type=int, default=256)
+    p.add_argument("--max-num-batched-tokens", type=int, default=2048)
+    p.add_argument("--num-kv-blocks", type=int, default=None)
+    p.add_argument("--block-size", type=int, default=16)
+    p.add_argument("--no-prefix-caching", action="store_true")
+    p.add_argument("--load-format", default="auto", choices=["auto", "safetensors", "dummy"])
+    p.add_argument("--ep-size", type=int, default=1, help="expert-parallel ranks")
+    p.add_argument("--seed", type=int, default=0)
+
+
+def _parser() -> argparse.ArgumentParser:
+    ap = argparse.ArgumentParser(prog="epserve", description=__doc__.splitlines()[0])
+    sub = ap.add_subparsers(dest="command", required=True)
+    g = sub.add_parser("generate", help="stream the continuation of one prompt")
+    g.add_argument("prompt")
+    _engine_args(g)
+    g.add_argument("--max-tokens", type=int, default=64)
+    g.add_argument("--temperature", type=float, default=0.0)
+    g.add_argument("--top-p", type=float, default=1.0)
+    g.add_argument("--top-k", type=int, default=0)
+    g.add_argument("--min-p", type=float, default=0.0)
+    g.add_argument("--sample-seed", type=int, default=None, help="per-request sampling seed")
+    g.add_argument("--stop", action="append", default=None, help="stop string (repeatable)")
+    g.add_argument("--ignore-eos", action="store_true")
+    g.add_argument("--chat", action="store_true",
+                   help="wrap the prompt as a user message in the chat template")
+    s = sub.add_parser("serve", help="serve the OpenAI-compatible HTTP API")
+    _engine_args(s)
+    s.add_argument("--host", default="127.0.0.1")
+    s.add_argument("--port", type=int, default=8000)
+    s.add_argument("--api-key", default=None)
+    return ap
+
+
+def _llm(args: argparse.Namespace):
+    from epserve import LLM
+
+    return LLM(model=args.model, dtype=args.dtype, device=args.device,
+               max_model_len=args.max_model_len, max_num_seqs=args.max_num_seqs,
+               max_num_batched_tokens=args.max_num_batched_tokens,
+               num_kv_blocks=args.num_kv_blocks, block_size=args.block_size,
+               enable_prefix_caching=not args.no_prefix_caching, load_format=args.load_format,
+               ep_size=args.ep_size, seed=args.seed)
+
+
+def _generate(args: argparse.Namespace) -> int:
+    from epserve import SamplingParams
+
+    params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature,
+                            top_p=args.top_p, top_k=args.top_k, min_p=args.min_p,
+                            seed=args.sample_seed, stop=args.stop, ignore_eos=args.ignore_eos)
+    llm = _llm(args)
+    prompt = args.prompt
+    if args.chat:
+        tok = llm.get_tokenizer()
+        if tok is None or not getattr(tok, "chat_template", None):
+            raise ValueError("--chat: this model has no chat template")
+        prompt = tok.apply_chat_template([{"role": "user", "content": prompt}], tokenize=False,
+                                         add_generation_prompt=True)
+    shown = 0
+    out = None
+    for out in llm.stream(prompt, params):
+        text = out.outputs[0].text
+        sys.stdout.write(text[shown:])
+        sys.stdout.flush()
+        shown = len(text)
+    sys.stdout.write("\n")
+    if out is not None and out.error:
+        raise ValueError(out.error)
+    return 0
+
+
+def _serve(args: argparse.Namespace) -> int:
+    raise ValueError("serve: the HTTP server is not available in this version yet; use "
+                     "`epserve generate` or the Python API (from epserve import LLM)")
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = _parser().parse_args(argv)
+    try:
+        if args.command == "generate":
+            return _generate(args)
+        return _serve(args)
+    except (ValueError, FileNotFoundError) as exc:
+        print(f"epserve: error: {exc}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        return 130

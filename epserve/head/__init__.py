@@ -1,0 +1,1 @@
+"""Engine and Scheduler: sampling params, outputs, detokenizer, stop checks (no torch.cuda)."""

@@ -1,0 +1,201 @@
+"""The Engine: requests in, one model step per ``step()``, ``RequestOutput``s out.
+
+A step is: plan (Scheduler), one ``mixed_forward_batch`` on the model, then per sampled token:
+append, detokenize incrementally, check stops, finish. Invariants: a request that is refused
+at ``add_request`` leaves no trace; a request that fails in a step is finished with its error
+and its KV freed, and the other requests go on; the text a running output shows never ends in
+something that could still become a stop string.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import random
+import time
+from dataclasses import dataclass, field
+from typing import Any, Sequence as Seq
+
+from epserve.head.detokenizer import IncrementalDetokenizer
+from epserve.head.output_builder import build_output
+from epserve.head.outputs import RequestOutput
+from epserve.head.sampling_params import SamplingParams
+from epserve.head.scheduler import Scheduler, SchedulerConfig, StepPlan
+from epserve.head.sequence import Request, SeqStatus, Sequence
+from epserve.head.stops import StopChecker
+from epserve.models.traits import EpCommandFailed, Model, MixedBatchResult, SampledToken
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    max_model_len: int
+    vocab_size: int
+    eos_token_ids: frozenset[int] = frozenset()
+    seed: int = 0
+    scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
+
+
+@dataclass
+class EngineStats:
+    """Counters the server's /metrics reads."""
+
+    prompt_tokens: int = 0
+    generation_tokens: int = 0
+    finished: dict[str, int] = field(default_factory=dict)
+
+
+def _mix_seed(seed: int, index: int) -> int:
+    return (seed * 0x9E3779B97F4A7C15 + index * 0xBF58476D1CE4E5B9) % (1 << 63)
+
+
+class Engine:
+    """Single-loop engine over a ``Model``; not thread-safe (one caller drives ``step``)."""
+
+    def __init__(self, model: Model, tokenizer: Any, cfg: EngineConfig):
+        self.model = model
+        self.tokenizer = tokenizer
+        self.cfg = cfg
+        self.scheduler = Scheduler(model, cfg.scheduler)
+        self.requests: dict[str, Request] = {}
+        self.stats = EngineStats()
+        self._rng = random.Random(cfg.seed)
+        self._arrivals = itertools.count()
+        self._ids = itertools.count()
+
+    # ------------------------------------------------------------------ requests
+
+    def add_request(self, request_id: str | None, prompt_ids: Seq[int], params: SamplingParams,
+                    prompt: str | None = None) -> Request:
+        """Queue a request; ``ValueError`` naming the field when it cannot be served."""
+        request_id = request_id if request_id is not None else f"req-{next(self._ids)}"
+        if request_id in self.requests:
+            raise ValueError(f"request_id {request_id!r} is already in use")
+        ids = self._check_prompt(prompt_ids)
+        room = self.cfg.max_model_len - len(ids)
+        max_tokens = room if params.max_tokens is None else min(params.max_tokens, room)
+        req = Request(request_id, prompt, ids, params, max_tokens, next(self._arrivals))
+        for i in range(params.n):
+            seed = (_mix_seed(params.seed, i) if params.seed is not None
+                    else self._rng.getrandbits(63))
+            stops = StopChecker(
+                stop=params.stop, stop_token_ids=frozenset(params.stop_token_ids or ()),
+                eos_token_ids=self.cfg.eos_token_ids, ignore_eos=params.ignore_eos,
+                min_tokens=params.min_tokens, max_tokens=max_tokens,
+                include_stop_str_in_output=params.include_stop_str_in_output)
+            detok = IncrementalDetokenizer(self.tokenizer, ids, params.skip_special_tokens)
+            req.seqs.append(Sequence(req, i, seed, stops, detok))
+        self.requests[request_id] = req
+        for seq in req.seqs:
+            self.scheduler.add(seq)
+        self.stats.prompt_tokens += len(ids)
+        return req
+
+    def _check_prompt(self, prompt_ids: Seq[int]) -> list[int]:
+        ids = list(prompt_ids)
+        if not ids:
+            raise ValueError("prompt_token_ids: the prompt is empty")
+        bad = [t for t in ids if isinstance(t, bool) or not isinstance(t, int)
+               or not 0 <= t < self.cfg.vocab_size]
+        if bad:
+            raise ValueError(f"prompt_token_ids: {bad[0]!r} is not a token id in "
+                             f"[0, {self.cfg.vocab_size})")
+        if len(ids) >= self.cfg.max_model_len:
+            raise ValueError(f"prompt: {len(ids)} tokens leave no room to generate within "
+                             f"max_model_len={self.cfg.max_model_len}")
+        return ids
+
+    def abort_request(self, request_id: str) -> None:
+        """Finish a request now ("abort") and free its KV; unknown ids are ignored."""
+        req = self.requests.pop(request_id, None)
+        if req is None:
+            return
+        for seq in req.seqs:
+            if not seq.finished:
+                self.scheduler.finish(seq)
+                seq.finish_reason = "abort"
+
+    def has_unfinished(self) -> bool:
+        return self.scheduler.has_unfinished()
+
+    # ------------------------------------------------------------------ the step
+
+    def step(self) -> list[RequestOutput]:
+        """Run one model step; the outputs of every request that changed in it."""
+        plan = self.scheduler.schedule()
+        touched: dict[str, Request] = {}
+        for seq, reason in plan.failed:
+            self._fail_seq(seq, reason, touched)
+        if not plan.empty:
+            try:
+                result = self.model.mixed_forward_batch(plan.decode_tokens,
+                                                        [s.state for s in plan.decode],
+                                                        plan.slices)
+            except (EpCommandFailed, ValueError, RuntimeError) as exc:
+                log.error("step failed, failing its %d sequences: %s",
+                          len(plan.decode) + len(plan.prefill), exc)
+                for seq in plan.decode + plan.prefill:
+                    self._fail_seq(seq, str(exc), touched)
+            else:
+                self._apply(plan, result, touched)
+        return self._emit(touched)
+
+    def _apply(self, plan: StepPlan, result: MixedBatchResult, touched: dict[str, Request]) -> None:
+        for seq, tok in zip(plan.decode, result.decode):
+            self._append(seq, tok, touched)
+        for seq, sl, tok in zip(plan.prefill, plan.slices, result.prefill):
+            req = seq.request
+            if req.wants_prompt_logprobs and sl.is_last_chunk and seq.state is not None:
+                req.prompt_logprobs = list(seq.state.prompt_logprobs)
+            if tok is not None:
+                self._append(seq, tok, touched)
+
+    def _append(self, seq: Sequence, tok: SampledToken, touched: dict[str, Request]) -> None:
+        if seq.finished:
+            return
+        seq.output_ids.append(tok.token_id)
+        seq.sampled.append(tok)
+        self.stats.generation_tokens += 1
+        n = len(seq.output_ids)
+        before = len(seq.detok.text)
+        seq.detok.add(tok.token_id)
+        reason, stop_reason = seq.stops.check_token(tok.token_id, n)
+        text = seq.detok.text
+        found = seq.stops.find_stop(text, len(text) - before, n)
+        if found is not None:
+            reason, stop_reason = "stop", found[1]
+            text = text[:found[0]]
+        elif reason == "stop" and not seq.request.params.include_stop_str_in_output:
+            text = text[:before]  # a stop token's own text is not part of the output
+        seq.text = text
+        if reason is None and seq.num_tokens >= self.cfg.max_model_len:
+            reason = "length"
+        if reason is not None:
+            if found is None and reason != "stop":
+                seq.text += seq.detok.finish()  # flush bytes held back for a partial char
+            seq.finish_reason, seq.stop_reason = reason, stop_reason
+            self.scheduler.finish(seq)
+        elif seq.state is not None:
+            seq.state.output_index = n
+            if seq.request.params.min_tokens >= n:
+                seq.state.sampling = seq.row_sampling()
+        touched[seq.request.request_id] = seq.request
+
+    def _fail_seq(self, seq: Sequence, reason: str, touched: dict[str, Request]) -> None:
+        if not seq.finished:
+            self.scheduler.finish(seq)
+        seq.finish_reason = "error"
+        seq.request.error = reason
+        touched[seq.request.request_id] = seq.request
+
+    def _emit(self, touched: dict[str, Request]) -> list[RequestOutput]:
+        outs = []
+        for req in touched.values():
+            outs.append(build_output(req, self.tokenizer))
+            if req.finished:
+                self.requests.pop(req.request_id, None)
+                for seq in req.seqs:
+                    key = seq.finish_reason or "abort"
+                    self.stats.finished[key] = self.stats.finished.get(key, 0) + 1
+        return outs

@@ -1,0 +1,204 @@
+"""The Scheduler: plans each step in one token-budget loop over running then waiting sequences.
+
+There are no prefill and decode phases. Every running sequence has some tokens whose KV is not
+written yet (a decode row has exactly one: its last sampled token; a prefilling one has the
+rest of its prompt). The loop walks the running sequences in admission order, gives each
+``min(uncomputed, budget)`` tokens, and reserves the KV blocks they need; when the pool is
+short it first reclaims prefix-cache blocks, then preempts the newest running sequence (its
+KV is dropped and it is prefilled again later, with the same output). What budget is left
+admits waiting sequences in arrival order (preempted ones first), reusing cached prefix
+blocks. Invariants: a planned row's blocks are reserved before the forward; a sequence is in
+at most one of ``waiting`` / ``running``; nothing here touches torch.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass, field
+
+from epserve.head.sequence import Sequence, SeqStatus
+from epserve.models.traits import Model, PrefillSlice
+
+
+@dataclass(frozen=True)
+class SchedulerConfig:
+    """Step limits. ``max_num_batched_tokens`` is the token budget of one step; a prompt
+    longer than it is prefilled in chunks. ``long_prefill_token_threshold`` caps one prompt's
+    chunk so that a long prompt leaves room for others (0 = no cap)."""
+
+    max_num_seqs: int = 256
+    max_num_batched_tokens: int = 2048
+    long_prefill_token_threshold: int = 0
+    enable_prefix_caching: bool = True
+
+
+@dataclass
+class StepPlan:
+    """One step: decode rows (one token each) and prefill chunks, plus who was preempted."""
+
+    decode: list[Sequence] = field(default_factory=list)
+    decode_tokens: list[int] = field(default_factory=list)
+    prefill: list[Sequence] = field(default_factory=list)
+    slices: list[PrefillSlice] = field(default_factory=list)
+    preempted: list[Sequence] = field(default_factory=list)
+    failed: list[tuple[Sequence, str]] = field(default_factory=list)
+
+    @property
+    def empty(self) -> bool:
+        return not self.decode and not self.prefill
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.decode) + sum(s.chunk_len for s in self.slices)
+
+
+class Scheduler:
+    """Owns the waiting queue and the running list; talks to the model only through its
+    lifecycle trait (sequence allocation, block reservation, prefix cache)."""
+
+    def __init__(self, model: Model, cfg: SchedulerConfig):
+        self.model = model
+        self.cfg = cfg
+        self.block_size = model.kv_block_size() or 1
+        self.waiting: deque[Sequence] = deque()
+        self.running: list[Sequence] = []
+        self._admissions = 0
+        self.num_preemptions = 0
+
+    def add(self, seq: Sequence) -> None:
+        seq.status = SeqStatus.WAITING
+        self.waiting.append(seq)
+
+    def finish(self, seq: Sequence) -> None:
+        """Drop ``seq`` from the queues and give its KV back (cached first, for reuse)."""
+        if seq.status is SeqStatus.RUNNING:
+            self.running.remove(seq)
+            self._release(seq, cache=True)
+        elif seq.status is SeqStatus.WAITING and seq in self.waiting:
+            self.waiting.remove(seq)
+        seq.status = SeqStatus.FINISHED
+
+    def has_unfinished(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    # ------------------------------------------------------------------ the step
+
+    def schedule(self) -> StepPlan:
+        plan = StepPlan()
+        budget = self.cfg.max_num_batched_tokens
+        i = 0
+        while i < len(self.running) and budget > 0:
+            seq = self.running[i]
+            n = self._chunk(seq, budget)
+            if not self._reserve(seq, n, plan):
+                if seq.status is not SeqStatus.RUNNING:
+                    break  # it preempted itself: nothing newer is left to run
+                continue
+            self._plan_row(seq, n, plan)
+            budget -= n
+            i += 1
+        if not plan.preempted:
+            self._admit(plan, budget)
+        return plan
+
+    def _chunk(self, seq: Sequence, budget: int) -> int:
+        left = seq.num_tokens - seq.state.seq_len
+        cap = self.cfg.long_prefill_token_threshold
+        if cap and left > 1:
+            left = min(left, cap)
+        return min(left, budget)
+
+    def _plan_row(self, seq: Sequence, n: int, plan: StepPlan) -> None:
+        state = seq.state
+        if n == 1 and state.seq_len == seq.num_tokens - 1 and seq.output_ids:
+            plan.decode.append(seq)
+            plan.decode_tokens.append(seq.output_ids[-1])
+            return
+        start = state.seq_len
+        plan.prefill.append(seq)
+        plan.slices.append(PrefillSlice(seq.all_tokens(), state, start, n,
+                                        start + n == seq.num_tokens))
+
+    def _reserve(self, seq: Sequence, n: int, plan: StepPlan) -> bool:
+        """Reserve KV for ``n`` more tokens of running ``seq``, reclaiming cached blocks, then
+        preempting the newest running sequences; False when ``seq`` itself was preempted."""
+        target = seq.state.seq_len + n
+        while not self.model.reserve_blocks(seq.state, target):
+            need = -(-target // self.block_size) - len(seq.state.block_table)
+            if self.model.reclaim_prefix_blocks(need) > 0:
+                continue
+            victim = self.running[-1]
+            if victim is seq and len(seq.state.block_table) + need > self.model.num_total_blocks():
+                self._fail(seq, plan, f"the sequence needs {target} tokens of KV cache, more "
+                                      f"than the whole pool holds")
+                return False
+            self._preempt(victim, plan)
+            if victim is seq:
+                return False
+        return True
+
+    def _preempt(self, seq: Sequence, plan: StepPlan) -> None:
+        self.running.remove(seq)
+        self._release(seq, cache=True)
+        seq.status = SeqStatus.WAITING
+        seq.num_preemptions += 1
+        self.num_preemptions += 1
+        self.waiting.appendleft(seq)
+        plan.preempted.append(seq)
+
+    def _fail(self, seq: Sequence, plan: StepPlan, reason: str) -> None:
+        self.running.remove(seq)
+        self._release(seq, cache=False)
+        seq.status = SeqStatus.FINISHED
+        plan.failed.append((seq, reason))
+
+    def _release(self, seq: Sequence, cache: bool) -> None:
+        if seq.state is None:
+            return
+        if cache and self.cfg.enable_prefix_caching:
+            self.model.cache_sequence(seq.state)
+        self.model.free_sequence(seq.state)
+        seq.state = None
+
+    # ------------------------------------------------------------------ admission
+
+    def _admit(self, plan: StepPlan, budget: int) -> None:
+        while self.waiting and budget > 0 and len(self.running) < self.cfg.max_num_seqs:
+            seq = self.waiting[0]
+            tokens = seq.all_tokens()
+            if -(-len(tokens) // self.block_size) > self.model.num_total_blocks():
+                self.waiting.popleft()
+                seq.status = SeqStatus.FINISHED
+                plan.failed.append((seq, f"the sequence needs {len(tokens)} tokens of KV "
+                                         f"cache, more than the whole pool holds"))
+                continue
+            first = min(len(tokens), budget)
+            need = -(-first // self.block_size)
+            if self.cfg.enable_prefix_caching and not seq.request.wants_prompt_logprobs:
+                reclaim = self.model.reclaim_prefix_blocks_for(tokens, -1, need)
+                if reclaim.free < reclaim.target:
+                    break
+            state = self.model.alloc_sequence_for(seq.request.max_budget)
+            if seq.request.wants_prompt_logprobs:
+                state.collect_prompt_logprobs = seq.request.params.prompt_logprobs
+            state.prompt_len = len(seq.prompt_ids)
+            state.sampling = seq.row_sampling()
+            state.output_index = len(seq.output_ids)
+            if self.cfg.enable_prefix_caching:
+                self.model.match_prefix(state, tokens)
+                if not seq.output_ids:
+                    seq.request.num_cached_tokens = max(seq.request.num_cached_tokens,
+                                                        state.reused_prefix_tokens)
+            seq.state = state
+            n = min(len(tokens) - state.seq_len, budget)
+            if not self.model.reserve_blocks(state, state.seq_len + n):
+                self.model.free_sequence(state)
+                seq.state = None
+                break
+            self.waiting.popleft()
+            seq.status = SeqStatus.RUNNING
+            seq.admitted_at = self._admissions
+            self._admissions += 1
+            self.running.append(seq)
+            self._plan_row(seq, n, plan)
+            budget -= n

@@ -1,0 +1,100 @@
+"""A request and its sequences as the head sees them: tokens, text, stops, status.
+
+Invariants: ``prompt_ids + output_ids`` is every token of the sequence; the model has KV for
+the first ``state.seq_len`` of them while running, and at least the last one is always still
+to be fed (it is the input of the next step). A sequence owns a ``SequenceState`` only while
+running; preemption drops it and the sequence is prefilled again from its tokens.
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+from typing import Any
+
+from epserve.head.detokenizer import IncrementalDetokenizer
+from epserve.head.sampling_params import SamplingParams
+from epserve.head.stops import StopChecker
+from epserve.models.traits import PromptTokenLogprob, RowSampling, SampledToken, SequenceState
+
+
+class SeqStatus(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    FINISHED = "finished"
+
+
+@dataclass(eq=False)
+class Sequence:
+    """One of a request's ``n`` samples.
+
+    Set by the engine at creation: ``request``, ``index``, ``seed``, ``stops``, ``detok``.
+    Set by the scheduler: ``status``, ``state``, ``admitted_at``. Set by the engine per step:
+    ``output_ids``, ``sampled``, ``finish_reason``, ``stop_reason``.
+    """
+
+    request: "Request"
+    index: int
+    seed: int
+    stops: StopChecker
+    detok: IncrementalDetokenizer
+    output_ids: list[int] = field(default_factory=list)
+    sampled: list[SampledToken] = field(default_factory=list)
+    logprob_dicts: list = field(default_factory=list)
+    status: SeqStatus = SeqStatus.WAITING
+    state: SequenceState | None = None
+    admitted_at: int = -1
+    text: str = ""
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+    num_preemptions: int = 0
+
+    @property
+    def prompt_ids(self) -> list[int]:
+        return self.request.prompt_ids
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.request.prompt_ids) + len(self.output_ids)
+
+    def all_tokens(self) -> list[int]:
+        return self.request.prompt_ids + self.output_ids
+
+    def row_sampling(self) -> RowSampling:
+        """The row's sampling now (bans change once ``min_tokens`` are out)."""
+        return self.request.params.to_row_sampling(
+            self.seed, self.stops.banned_ids(len(self.output_ids)))
+
+    @property
+    def finished(self) -> bool:
+        return self.status is SeqStatus.FINISHED
+
+
+@dataclass(eq=False)
+class Request:
+    """A client's request: prompt, parameters and its sequences (``n`` of them)."""
+
+    request_id: str
+    prompt: str | None
+    prompt_ids: list[int]
+    params: SamplingParams
+    max_tokens: int
+    arrival: int
+    seqs: list[Sequence] = field(default_factory=list)
+    prompt_logprobs: list[PromptTokenLogprob] | None = None
+    error: str | None = None
+    num_cached_tokens: int = 0
+    user_data: Any = None
+
+    @property
+    def finished(self) -> bool:
+        return all(s.finished for s in self.seqs)
+
+    @property
+    def max_budget(self) -> int:
+        """Tokens this request can reach: prompt plus ``max_tokens``."""
+        return len(self.prompt_ids) + self.max_tokens
+
+    @property
+    def wants_prompt_logprobs(self) -> bool:
+        return self.params.prompt_logprobs is not None and self.prompt_logprobs is None

@@ -1,0 +1,159 @@
+"""Paged KV writes and paged attention over a flat batch of ragged sequences; refs are the definition.
+
+Invariants: a batch is ``T`` rows, sequence ``s`` owns rows ``[query_start_loc[s],
+query_start_loc[s+1])`` and its new tokens are the last ``n_s`` of its ``seq_lens[s]`` KV
+positions; rows past ``query_start_loc[-1]`` are padding (slot -1, output zeros). Attention is
+causal within a sequence, computed in float32 and returned in the query's dtype.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass(frozen=True)
+class AttentionMetadata:
+    """Where one step's rows live in the paged KV cache (built by the runner, read by attention).
+
+    - ``slot_mapping``: [T] int64 on device; flat KV slot ``block_id * block_size + offset``
+      where row t's K/V is written; -1 marks a padded row (nothing written).
+    - ``query_start_loc``: host, S+1 entries; rows of sequence s are ``[qsl[s], qsl[s+1])``.
+    - ``seq_lens``: host, S entries; KV length of sequence s after this step (its new tokens
+      included), so its new tokens sit at positions ``seq_lens[s]-n_s .. seq_lens[s]-1``.
+    - ``block_tables``: [S, max_blocks] int32 on device, logical -> physical block, 0-padded.
+    - ``block_size``: tokens per KV block.
+    """
+
+    slot_mapping: torch.Tensor
+    query_start_loc: tuple[int, ...]
+    seq_lens: tuple[int, ...]
+    block_tables: torch.Tensor
+    block_size: int
+
+    def __post_init__(self) -> None:
+        s = len(self.seq_lens)
+        if len(self.query_start_loc) != s + 1:
+            raise ValueError(f"AttentionMetadata: query_start_loc has {len(self.query_start_loc)} "
+                             f"entries, expected len(seq_lens) + 1 = {s + 1}")
+        if self.block_tables.dim() != 2 or self.block_tables.shape[0] != s:
+            raise ValueError(f"AttentionMetadata: block_tables shape {tuple(self.block_tables.shape)}"
+                             f" does not match {s} sequences")
+        for i in range(s):
+            n = self.query_start_loc[i + 1] - self.query_start_loc[i]
+            if n < 0 or n > self.seq_lens[i]:
+                raise ValueError(f"AttentionMetadata: sequence {i} has {n} new rows but "
+                                 f"seq_len {self.seq_lens[i]}")
+
+    @property
+    def num_seqs(self) -> int:
+        return len(self.seq_lens)
+
+
+# --------------------------------------------------------------------------- write_kv
+
+
+def write_kv_ref(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                 slot_mapping: torch.Tensor) -> None:
+    """Write each row's K/V into its slot, in place; rows with slot -1 write nothing.
+
+    k, v: [T, Hkv, D]; k_cache, v_cache: [NB, BS, Hkv, D]; slot_mapping: [T] int64.
+    """
+    block_size = k_cache.shape[1]
+    valid = slot_mapping >= 0
+    slots = slot_mapping[valid]
+    blocks, offsets = slots // block_size, slots % block_size
+    k_cache[blocks, offsets] = k[valid].to(k_cache.dtype)
+    v_cache[blocks, offsets] = v[valid].to(v_cache.dtype)
+
+
+def write_kv(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+             slot_mapping: torch.Tensor) -> None:
+    """Public entry for ``write_kv_ref`` (same contract); picks the implementation."""
+    _check_kv_shapes(k, v, k_cache, v_cache)
+    if slot_mapping.shape != (k.shape[0],):
+        raise ValueError(f"write_kv: slot_mapping shape {tuple(slot_mapping.shape)}, "
+                         f"expected ({k.shape[0]},)")
+    # Dispatch point: a Triton kernel for CUDA tensors goes here; the reference runs elsewhere.
+    write_kv_ref(k, v, k_cache, v_cache, slot_mapping)
+
+
+def _check_kv_shapes(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
+                     v_cache: torch.Tensor) -> None:
+    if k.shape != v.shape or k.dim() != 3:
+        raise ValueError(f"write_kv: k {tuple(k.shape)} and v {tuple(v.shape)} must both be [T, Hkv, D]")
+    if k_cache.shape != v_cache.shape or k_cache.dim() != 4 or k_cache.shape[2:] != k.shape[1:]:
+        raise ValueError(f"write_kv: caches {tuple(k_cache.shape)} / {tuple(v_cache.shape)} must be "
+                         f"[NB, BS, {k.shape[1]}, {k.shape[2]}]")
+
+
+# --------------------------------------------------------------------------- paged attention
+
+
+def _gather_seq_kv(cache: torch.Tensor, block_row: torch.Tensor, seq_len: int) -> torch.Tensor:
+    """The first ``seq_len`` cached positions of one sequence: [seq_len, Hkv, D]."""
+    block_size = cache.shape[1]
+    n_blocks = -(-seq_len // block_size)
+    blocks = block_row[:n_blocks].long()
+    return cache[blocks].reshape(n_blocks * block_size, *cache.shape[2:])[:seq_len]
+
+
+def _visible_mask(q_pos: torch.Tensor, k_pos: torch.Tensor, sliding_window: int | None) -> torch.Tensor:
+    """[n, L] bool: query at position p sees keys at positions <= p (and > p - window)."""
+    mask = k_pos[None, :] <= q_pos[:, None]
+    if sliding_window is not None:
+        mask &= k_pos[None, :] > q_pos[:, None] - sliding_window
+    return mask
+
+
+def paged_attention_ref(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                        meta: AttentionMetadata, scale: float,
+                        sliding_window: int | None = None) -> torch.Tensor:
+    """Causal attention of each sequence's new rows over its paged KV (already written).
+
+    q: [T, Hq, D]; k_cache, v_cache: [NB, BS, Hkv, D] with Hq a multiple of Hkv (query head h
+    reads kv head ``h // (Hq // Hkv)``). Returns [T, Hq, D] in q.dtype; padded rows are zero.
+    """
+    t, hq, d = q.shape
+    hkv = k_cache.shape[2]
+    group = hq // hkv
+    out = torch.zeros(t, hq, d, dtype=torch.float32, device=q.device)
+    for s in range(meta.num_seqs):
+        start, end = meta.query_start_loc[s], meta.query_start_loc[s + 1]
+        n, seq_len = end - start, meta.seq_lens[s]
+        if n == 0:
+            continue
+        k = _gather_seq_kv(k_cache, meta.block_tables[s], seq_len).float()  # [L, Hkv, D]
+        v = _gather_seq_kv(v_cache, meta.block_tables[s], seq_len).float()
+        k = k.repeat_interleave(group, dim=1)  # [L, Hq, D]
+        v = v.repeat_interleave(group, dim=1)
+        qs = q[start:end].float()  # [n, Hq, D]
+        scores = torch.einsum("nhd,lhd->hnl", qs, k) * scale  # [Hq, n, L]
+        k_pos = torch.arange(seq_len, device=q.device)
+        q_pos = k_pos[seq_len - n:]
+        mask = _visible_mask(q_pos, k_pos, sliding_window)
+        scores = scores.masked_fill(~mask[None], float("-inf"))
+        probs = torch.softmax(scores, dim=-1)
+        out[start:end] = torch.einsum("hnl,lhd->nhd", probs, v)
+    return out.to(q.dtype)
+
+
+def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                    meta: AttentionMetadata, scale: float,
+                    sliding_window: int | None = None) -> torch.Tensor:
+    """Public entry for ``paged_attention_ref`` (same contract); picks the implementation.
+
+    q: [T, Hq, D]; k_cache, v_cache: [NB, BS, Hkv, D]. Returns [T, Hq, D] q.dtype.
+    """
+    if q.dim() != 3 or k_cache.dim() != 4 or q.shape[2] != k_cache.shape[3]:
+        raise ValueError(f"paged_attention: q {tuple(q.shape)} must be [T, Hq, D] and caches "
+                         f"{tuple(k_cache.shape)} [NB, BS, Hkv, D] with the same D")
+    if q.shape[1] % k_cache.shape[2]:
+        raise ValueError(f"paged_attention: {q.shape[1]} query heads is not a multiple of "
+                         f"{k_cache.shape[2]} kv heads")
+    if k_cache.shape[1] != meta.block_size:
+        raise ValueError(f"paged_attention: cache block size {k_cache.shape[1]} != "
+                         f"meta.block_size {meta.block_size}")
+    # Dispatch point: a Triton kernel for CUDA tensors goes here; the reference runs elsewhere.
+    return paged_attention_ref(q, k_cache, v_cache, meta, scale, sliding_window)

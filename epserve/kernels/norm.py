@@ -1,0 +1,45 @@
+"""RMSNorm and fused residual-add + RMSNorm; refs are the definition.
+
+Invariants: the mean square is taken in float32; the normalised value is cast back to the
+input dtype before the weight multiply (as Hugging Face Llama/Qwen/Mixtral do), so fp32 runs
+match transformers bit for bit in the ordinary case.
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+def rms_norm_ref(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """x: [..., H]; weight: [H]. Returns [..., H] in x.dtype: ``weight * x / rms(x)``."""
+    xf = x.float()
+    normed = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
+    return (weight * normed.to(x.dtype)).to(x.dtype)
+
+
+def fused_add_rms_norm_ref(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
+                           eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """Add the residual stream, then normalise the sum.
+
+    x, residual: [..., H]; weight: [H]. Returns ``(normed, new_residual)``, both [..., H]
+    x.dtype, where ``new_residual = x + residual`` and ``normed = rms_norm(new_residual)``.
+    """
+    new_residual = x + residual
+    return rms_norm_ref(new_residual, weight, eps), new_residual
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """Public entry for ``rms_norm_ref`` (same contract)."""
+    if x.shape[-1] != weight.shape[0]:
+        raise ValueError(f"rms_norm: x {tuple(x.shape)} last dim != weight {tuple(weight.shape)}")
+    # Dispatch point: a Triton kernel for CUDA tensors goes here.
+    return rms_norm_ref(x, weight, eps)
+
+
+def fused_add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
+                       eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """Public entry for ``fused_add_rms_norm_ref`` (same contract)."""
+    if x.shape != residual.shape:
+        raise ValueError(f"fused_add_rms_norm: x {tuple(x.shape)} != residual {tuple(residual.shape)}")
+    # Dispatch point: a Triton kernel for CUDA tensors goes here.
+    return fused_add_rms_norm_ref(x, residual, weight, eps)

@@ -1,0 +1,1 @@
+"""Model interface (traits), configs, one file per architecture, and the checkpoint loader."""

@@ -1,0 +1,303 @@
+"""Blocks shared by the MoE decoder architectures, and the checkpoint-name -> parameter map.
+
+Invariants: layers work on a flat batch (``T`` rows, no batch dimension) and never call
+``torch.distributed``: with ``world_size > 1`` the MoE block hands its local expert compute to
+``parallel.ep_comm``. Expert weights are stacked per rank, ``w13: [E_local, 2I, H]`` (gate rows
+then up rows) and ``w2: [E_local, H, I]``. Every checkpoint tensor is shape-checked before it is
+copied, and every missing one is reported by its checkpoint name.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+from typing import Iterable
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from epserve.kernels.attention import AttentionMetadata, paged_attention, write_kv
+from epserve.kernels.moe import fused_moe
+from epserve.kernels.norm import fused_add_rms_norm, rms_norm
+from epserve.kernels.rope import apply_rope, build_rope_cache
+from epserve.models.config import CheckpointError, ModelConfig
+from epserve.models.parallel import ParallelInfo
+
+# --------------------------------------------------------------------------- norm and rope
+
+
+class RMSNorm(nn.Module):
+    """RMSNorm over the last dim; with ``residual`` it first adds it (the fused pre-norm step).
+
+    ``forward(x)`` -> normed; ``forward(x, residual)`` -> ``(normed, x + residual)``.
+    """
+
+    def __init__(self, size: int, eps: float):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(size))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None):
+        if residual is None:
+            return rms_norm(x, self.weight, self.eps)
+        return fused_add_rms_norm(x, residual, self.weight, self.eps)
+
+
+class RotaryEmbedding(nn.Module):
+    """The float32 cos/sin cache ``[max_positions, D/2]``, shared by every attention layer."""
+
+    def __init__(self, head_dim: int, max_positions: int, theta: float):
+        super().__init__()
+        cos, sin = build_rope_cache(head_dim, max_positions, theta)
+        self.register_buffer("cos_cache", cos, persistent=False)
+        self.register_buffer("sin_cache", sin, persistent=False)
+
+    def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor):
+        """positions: [T] int64; q: [T, Hq, D]; k: [T, Hkv, D]. Returns rotated (q, k)."""
+        return apply_rope(q, k, positions, self.cos_cache, self.sin_cache)
+
+
+# --------------------------------------------------------------------------- attention
+
+
+class Attention(nn.Module):
+    """GQA self-attention over the paged KV cache; optional per-head q/k RMSNorm (Qwen3)."""
+
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.num_heads, self.num_kv_heads, self.head_dim = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+        h, d = cfg.hidden_size, cfg.head_dim
+        self.q_proj = nn.Linear(h, self.num_heads * d, bias=False)
+        self.k_proj = nn.Linear(h, self.num_kv_heads * d, bias=False)
+        self.v_proj = nn.Linear(h, self.num_kv_heads * d, bias=False)
+        self.o_proj = nn.Linear(self.num_heads * d, h, bias=False)
+        self.q_norm = RMSNorm(d, cfg.rms_norm_eps) if cfg.qk_norm else None
+        self.k_norm = RMSNorm(d, cfg.rms_norm_eps) if cfg.qk_norm else None
+        self.scale = d ** -0.5
+        self.sliding_window = cfg.sliding_window
+
+    def forward(self, positions: torch.Tensor, x: torch.Tensor,
+                kv_cache: tuple[torch.Tensor, torch.Tensor], meta: AttentionMetadata,
+                rope: RotaryEmbedding) -> torch.Tensor:
+        """x: [T, H]; kv_cache: ([NB, BS, Hkv, D], same). Writes this step's K/V; returns [T, H]."""
+        t = x.shape[0]
+        q = self.q_proj(x).view(t, self.num_heads, self.head_dim)  # [T, Hq, D]
+        k = self.k_proj(x).view(t, self.num_kv_heads, self.head_dim)  # [T, Hkv, D]
+        v = self.v_proj(x).view(t, self.num_kv_heads, self.head_dim)
+        if self.q_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k = rope(positions, q, k)
+        k_cache, v_cache = kv_cache
+        write_kv(k, v, k_cache, v_cache, meta.slot_mapping)
+        out = paged_attention(q, k_cache, v_cache, meta, self.scale, self.sliding_window)
+        return self.o_proj(out.reshape(t, self.num_heads * self.head_dim))  # [T, H]
+
+
+# --------------------------------------------------------------------------- MoE and MLP
+
+
+class TopKRouter(nn.Module):
+    """Softmax over the E experts, keep the top K; optionally renormalise the K weights to 1."""
+
+    def __init__(self, hidden_size: int, num_experts: int, top_k: int, renormalize: bool):
+        super().__init__()
+        self.weight = nn.Parameter(torch.empty(num_experts, hidden_size))
+        self.top_k, self.renormalize = top_k, renormalize
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """x: [T, H]. Returns topk_ids: [T, K] int64, topk_weights: [T, K] float32."""
+        probs = torch.softmax(F.linear(x, self.weight).float(), dim=-1)  # [T, E]
+        weights, ids = torch.topk(probs, self.top_k, dim=-1)  # [T, K]
+        if self.renormalize:
+            weights = weights / weights.sum(dim=-1, keepdim=True)
+        return ids, weights
+
+
+class StackedExperts(nn.Module):
+    """This rank's experts ``[expert_start, expert_end)`` as stacked SwiGLU weights.
+
+    Calling it is the ``local_fn`` of expert parallelism: ``(x [N, H], topk_ids [N, K] int64
+    global ids, topk_weights [N, K] float32) -> [N, H]``, the weighted sum over the routed
+    experts this rank holds (others count zero), so summing every rank's result gives the MoE.
+    """
+
+    def __init__(self, num_experts: int, hidden_size: int, intermediate_size: int,
+                 parallel: ParallelInfo):
+        super().__init__()
+        self.expert_start, self.expert_end = parallel.local_expert_range(num_experts)
+        n_local = self.expert_end - self.expert_start
+        self.w13 = nn.Parameter(torch.empty(n_local, 2 * intermediate_size, hidden_size))
+        self.w2 = nn.Parameter(torch.empty(n_local, hidden_size, intermediate_size))
+
+    def forward(self, x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor) -> torch.Tensor:
+        return fused_moe(x, self.w13, self.w2, topk_ids, topk_weights, expert_offset=self.expert_start)
+
+
+class SparseMoeBlock(nn.Module):
+    """Route each token to K of E experts and sum their weighted outputs (local or via EP comm).
+
+    With ``world_size > 1`` it calls ``parallel.ep_comm.moe_forward(x, topk_ids, topk_weights,
+    local_fn)``: the comm dispatches rows to the ranks owning their experts, runs each rank's
+    ``local_fn`` (``StackedExperts``) on what it received, and combines the partial sums back.
+    """
+
+    def __init__(self, cfg: ModelConfig, parallel: ParallelInfo):
+        super().__init__()
+        self.parallel = parallel
+        self.gate = TopKRouter(cfg.hidden_size, cfg.num_experts, cfg.top_k, cfg.norm_topk_prob)
+        self.experts = StackedExperts(cfg.num_experts, cfg.hidden_size, cfg.moe_intermediate_size,
+                                      parallel)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """x: [T, H]. Returns [T, H]."""
+        topk_ids, topk_weights = self.gate(x)  # [T, K], [T, K]
+        if self.parallel.world_size == 1:
+            return self.experts(x, topk_ids, topk_weights)
+        comm = self.parallel.ep_comm
+        if comm is None:
+            raise RuntimeError(f"SparseMoeBlock: world_size={self.parallel.world_size} but "
+                               "ParallelInfo.ep_comm is None; an EP communicator is required to "
+                               "reach the experts held by other ranks")
+        return comm.moe_forward(x, topk_ids, topk_weights, self.experts)
+
+
+class DenseMLP(nn.Module):
+    """A dense SwiGLU MLP (Qwen3's non-MoE layers): ``down(silu(gate(x)) * up(x))``."""
+
+    def __init__(self, hidden_size: int, intermediate_size: int):
+        super().__init__()
+        self.intermediate_size = intermediate_size
+        self.gate_up_proj = nn.Linear(hidden_size, 2 * intermediate_size, bias=False)
+        self.down_proj = nn.Linear(intermediate_size, hidden_size, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """x: [T, H]. Returns [T, H]."""
+        gate_up = self.gate_up_proj(x)  # [T, 2I]
+        i = self.intermediate_size
+        return self.down_proj(F.silu(gate_up[:, :i]) * gate_up[:, i:])
+
+
+# --------------------------------------------------------------------------- weight mapping
+
+
+@dataclass(frozen=True)
+class _Entry:
+    dest: torch.Tensor  # a view into a parameter
+    src_shape: tuple[int, ...]  # the checkpoint tensor's expected shape
+    src_index: tuple | None  # the part of the checkpoint tensor to copy (None: all of it)
+    provides: tuple[str, ...]  # required checkpoint names this tensor stands for
+
+
+_LAYER_RE = re.compile(r"(?:^|\.)layers\.(\d+)\.")
+_EXPERT_RE = re.compile(r"\.experts\.(\d+)\.")
+
+
+class WeightMap:
+    """Checkpoint tensor names -> parameter views for one model on one rank.
+
+    ``add`` registers a name this rank loads; ``skip`` a name another rank loads. ``load``
+    copies each known tensor after checking its shape, ignores unknown names (rotary buffers,
+    ...) unless they name a layer or expert beyond the config, and at the end raises
+    ``CheckpointError`` listing every required name that never arrived.
+    """
+
+    def __init__(self, num_layers: int, num_experts: int):
+        self.num_layers, self.num_experts = num_layers, num_experts
+        self._entries: dict[str, _Entry] = {}
+        self._skipped: set[str] = set()
+        self._required: set[str] = set()
+
+    def add(self, name: str, param: torch.Tensor, index: tuple = (), *,
+            src_shape: tuple[int, ...] | None = None,
+            src_index: tuple | None = None, provides: tuple[str, ...] | None = None,
+            required: bool = True) -> None:
+        """Load checkpoint ``name`` (its ``src_index`` part) into ``param[index]``."""
+        dest = param.detach()[index] if index else param.detach()
+        shape = tuple(dest.shape) if src_shape is None else tuple(src_shape)
+        self._entries[name] = _Entry(dest, shape, src_index, (name,) if provides is None else provides)
+        if required:
+            self._required.add(name)
+
+    def skip(self, name: str) -> None:
+        self._skipped.add(name)
+
+    def load(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
+        seen: set[str] = set()
+        with torch.no_grad():
+            for name, tensor in named_tensors:
+                entry = self._entries.get(name)
+                if entry is None:
+                    self._check_unknown(name)
+                    continue
+                if tuple(tensor.shape) != entry.src_shape:
+                    raise CheckpointError(f"tensor {name!r} has shape {tuple(tensor.shape)}, "
+                                          f"expected {entry.src_shape}")
+                src = tensor if entry.src_index is None else tensor[entry.src_index]
+                entry.dest.copy_(src)
+                seen.update(entry.provides)
+        missing = sorted(self._required - seen, key=_natural_key)
+        if missing:
+            raise CheckpointError(f"checkpoint is missing {len(missing)} tensor(s): {', '.join(missing)}")
+
+    def _check_unknown(self, name: str) -> None:
+        if name in self._skipped:
+            return
+        layer = _LAYER_RE.search(name)
+        if layer and int(layer.group(1)) >= self.num_layers:
+            raise CheckpointError(f"unexpected tensor {name!r}: layer {layer.group(1)} does not exist "
+                                  f"(config has num_layers={self.num_layers})")
+        expert = _EXPERT_RE.search(name)
+        if expert and int(expert.group(1)) >= self.num_experts:
+            raise CheckpointError(f"unexpected tensor {name!r}: expert {expert.group(1)} does not "
+                                  f"exist (config has num_experts={self.num_experts})")
+
+
+def _natural_key(name: str) -> list:
+    return [int(p) if p.isdigit() else p for p in re.split(r"(\d+)", name)]
+
+
+def map_attention(wm: WeightMap, prefix: str, attn: Attention) -> None:
+    """``{prefix}.{q,k,v,o}_proj.weight`` and, with qk-norm, ``{prefix}.{q,k}_norm.weight``."""
+    for proj in ("q_proj", "k_proj", "v_proj", "o_proj"):
+        wm.add(f"{prefix}.{proj}.weight", getattr(attn, proj).weight)
+    if attn.q_norm is not None:
+        wm.add(f"{prefix}.q_norm.weight", attn.q_norm.weight)
+        wm.add(f"{prefix}.k_norm.weight", attn.k_norm.weight)
+
+
+def map_dense_mlp(wm: WeightMap, prefix: str, mlp: DenseMLP) -> None:
+    """``{prefix}.{gate,up,down}_proj.weight`` onto the fused gate_up / down projections."""
+    i = mlp.intermediate_size
+    wm.add(f"{prefix}.gate_proj.weight", mlp.gate_up_proj.weight, (slice(0, i),))
+    wm.add(f"{prefix}.up_proj.weight", mlp.gate_up_proj.weight, (slice(i, 2 * i),))
+    wm.add(f"{prefix}.down_proj.weight", mlp.down_proj.weight)
+
+
+def map_experts(wm: WeightMap, prefix: str, experts: StackedExperts, num_experts: int,
+                names: tuple[str, str, str], fused_prefix: str) -> None:
+    """Per-expert ``{prefix}.{e}.{gate,up,down}.weight`` for local experts (others skipped), and
+    the fused ``{fused_prefix}.gate_up_proj`` [E, 2I, H] / ``.down_proj`` [E, H, I] that stand in
+    for all of them."""
+    gate, up, down = names
+    start, end = experts.expert_start, experts.expert_end
+    n_local, two_i, h = experts.w13.shape
+    i = two_i // 2
+    gate_up_names, down_names = [], []
+    for e in range(num_experts):
+        g, u, d = (f"{prefix}.{e}.{n}.weight" for n in (gate, up, down))
+        if not start <= e < end:
+            for n in (g, u, d):
+                wm.skip(n)
+            continue
+        j = e - start
+        wm.add(g, experts.w13, (j, slice(0, i)))
+        wm.add(u, experts.w13, (j, slice(i, two_i)))
+        wm.add(d, experts.w2, (j,))
+        gate_up_names += [g, u]
+        down_names.append(d)
+    local = (slice(start, end),)
+    wm.add(f"{fused_prefix}.gate_up_proj", experts.w13, src_shape=(num_experts, two_i, h),
+           src_index=local, provides=tuple(gate_up_names), required=False)
+    wm.add(f"{fused_prefix}.down_proj", experts.w2, src_shape=(num_experts, h, i),
+           src_index=local, provides=tuple(down_names), required=False)

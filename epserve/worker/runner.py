@@ -1,0 +1,338 @@
+"""The rank Runner: implements the Model traits on torch for one rank (CPU, or CUDA by choice).
+
+Owns the model weights, the paged KV cache tensors, the KV pool and the slot table. Invariants:
+a sequence's KV is written only through slots its block table holds; ``seq.seq_len`` counts
+positions whose KV is written and ``seq.tokens`` their ids; blocks are reserved by the
+scheduler (``reserve_blocks``) before a step, so a forward never allocates.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from typing import Any, Sequence
+
+import torch
+
+from epserve.models.loader import load_model
+from epserve.models.parallel import ParallelInfo
+from epserve.models.traits import (
+    BeamReq, CapabilityAbsent, ForwardDisclosure, MixedBatchResult, MixedForwardResult,
+    PrefillSlice, PrefixReclaim, RowMask, SampledToken, SequenceState, ROW_MASK_NONE,
+)
+from epserve.worker.batch import BlockTables, StepInputs, StepRow, build_step_inputs
+from epserve.worker.kv_pool import KVPool
+from epserve.worker.sampler import prompt_logprobs_rows, sample_rows
+
+log = logging.getLogger(__name__)
+
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+@dataclass(frozen=True)
+class RunnerConfig:
+    """How one rank's runner is built. ``num_kv_blocks=None`` sizes the pool from
+    ``kv_cache_bytes`` (CPU) — the CUDA sizing from free memory comes with the GPU work."""
+
+    model: str
+    dtype: str = "auto"
+    device: str = "auto"
+    max_model_len: int | None = None
+    block_size: int = 16
+    num_kv_blocks: int | None = None
+    kv_cache_bytes: int = 512 * 2**20
+    max_num_seqs: int = 256
+    enable_prefix_caching: bool = True
+    load_format: str = "auto"
+    seed: int = 0
+
+
+def resolve_device(name: str) -> torch.device:
+    """``auto`` is CUDA when present, else CPU."""
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    return torch.device(name)
+
+
+def resolve_dtype(name: str, checkpoint_dtype: str | None, device: torch.device) -> torch.dtype:
+    """``auto``: the checkpoint's dtype on CUDA; float32 on CPU (bf16 matmuls are slow there)."""
+    if name == "auto":
+        if device.type == "cpu":
+            return torch.float32
+        return _DTYPES.get(checkpoint_dtype or "", torch.bfloat16)
+    if name not in _DTYPES:
+        raise ValueError(f"dtype must be one of auto, {', '.join(_DTYPES)}; got {name!r}")
+    return _DTYPES[name]
+
+
+class Runner:
+    """Implements ``models.traits.Model`` for one rank (EP over ranks comes on top of it)."""
+
+    def __init__(self, cfg: RunnerConfig, parallel: ParallelInfo = ParallelInfo()):
+        from epserve.models.config import ModelConfig
+
+        self.cfg = cfg
+        self.device = resolve_device(cfg.device)
+        hf_dtype = ModelConfig.from_pretrained(cfg.model).torch_dtype
+        self.dtype = resolve_dtype(cfg.dtype, hf_dtype, self.device)
+        torch.manual_seed(cfg.seed)
+        self.model, self.model_config = load_model(
+            cfg.model, dtype=self.dtype, device=self.device, parallel=parallel,
+            load_format=cfg.load_format)
+        mc = self.model_config
+        self.max_model_len = cfg.max_model_len or mc.max_position_embeddings
+        if self.max_model_len > mc.max_position_embeddings:
+            raise ValueError(f"max_model_len={self.max_model_len} exceeds the model's "
+                             f"max_position_embeddings={mc.max_position_embeddings}")
+        self.block_size = cfg.block_size
+        self.num_blocks = cfg.num_kv_blocks or self._blocks_from_bytes(cfg.kv_cache_bytes)
+        shape = (self.num_blocks, self.block_size, mc.num_kv_heads, mc.head_dim)
+        self.kv_caches = [(torch.zeros(shape, dtype=self.dtype, device=self.device),
+                           torch.zeros(shape, dtype=self.dtype, device=self.device))
+                          for _ in range(mc.num_layers)]
+        self.pool = KVPool(self.num_blocks, self.block_size, cfg.enable_prefix_caching)
+        self.tables = BlockTables(cfg.max_num_seqs, -(-self.max_model_len // self.block_size))
+        self._free_slots = list(range(cfg.max_num_seqs - 1, -1, -1))
+
+    def _blocks_from_bytes(self, budget: int) -> int:
+        mc = self.model_config
+        per_block = (2 * mc.num_layers * self.block_size * mc.num_kv_heads * mc.head_dim
+                     * torch.finfo(self.dtype).bits // 8)
+        return max(2, budget // per_block)
+
+    # ------------------------------------------------------------------ capabilities
+
+    def capabilities(self) -> frozenset[str]:
+        return frozenset({"forward", "lifecycle", "logits", "streams", "circuit"})
+
+    def forward_disclosure(self) -> ForwardDisclosure:
+        return ForwardDisclosure()
+
+    # ------------------------------------------------------------------ lifecycle
+
+    def teardown(self) -> None:
+        self.kv_caches = []
+
+    def bind_gpu_to_thread(self) -> None:
+        if self.device.type == "cuda":
+            torch.cuda.set_device(self.device)
+
+    def alloc_sequence(self) -> SequenceState:
+        if not self._free_slots:
+            raise RuntimeError(f"no free sequence slot (max_num_seqs={self.cfg.max_num_seqs})")
+        return SequenceState(slot_idx=self._free_slots.pop())
+
+    def alloc_sequence_for(self, budget_tokens: int) -> SequenceState:
+        if budget_tokens > self.max_model_len:
+            raise ValueError(f"{budget_tokens} tokens exceed max_model_len={self.max_model_len}")
+        return self.alloc_sequence()
+
+    def match_prefix(self, seq: SequenceState, prompt: Sequence[int]) -> int:
+        """Take the cached full blocks of ``prompt``'s prefix; the last prompt token is always
+        recomputed (its logits are needed). Returns the tokens whose KV is reused."""
+        if seq.prefix_lookup_applied:
+            return seq.cached_prefix_tokens
+        seq.prefix_lookup_applied = True
+        if seq.collect_prompt_logprobs is not None or len(prompt) < 2:
+            return 0
+        blocks = self.pool.match_prefix(prompt, seq.adapter_id, max_tokens=len(prompt) - 1)
+        n = len(blocks) * self.block_size
+        self.tables.set_blocks(seq.slot_idx, 0, blocks)
+        seq.block_table.extend(blocks)
+        seq.tokens.extend(prompt[:n])
+        seq.seq_len = seq.kv_valid_tokens = n
+        seq.cached_prefix_tokens = seq.reused_prefix_tokens = n
+        seq.cached_prefix_blocks = len(blocks)
+        return n
+
+    def reserve_blocks(self, seq: SequenceState, num_tokens: int) -> bool:
+        """Grow the block table to cover ``num_tokens`` positions; False (nothing taken) when
+        the pool is short."""
+        need = -(-num_tokens // self.block_size) - len(seq.block_table)
+        if need <= 0:
+            return True
+        if need > self.pool.num_free_blocks():
+            return False
+        blocks = self.pool.allocate(need)
+        self.tables.set_blocks(seq.slot_idx, len(seq.block_table), blocks)
+        seq.block_table.extend(blocks)
+        return True
+
+    def cache_sequence(self, seq: SequenceState) -> None:
+        self.pool.cache_blocks(seq.tokens, seq.block_table, seq.seq_len, seq.adapter_id)
+
+    def free_sequence(self, seq: SequenceState) -> None:
+        self.pool.free(seq.block_table)
+        seq.block_table.clear()
+        seq.seq_len = 0
+        if seq.slot_idx >= 0:
+            self._free_slots.append(seq.slot_idx)
+            seq.slot_idx = -1
+
+    def num_free_blocks(self) -> int:
+        return self.pool.num_free_blocks()
+
+    def num_total_blocks(self) -> int:
+        return self.pool.num_total_blocks()
+
+    def reclaim_prefix_blocks(self, num_blocks: int) -> int:
+        return self.pool.reclaim_prefix_blocks(num_blocks)
+
+    def reclaim_prefix_blocks_for(self, prompt: Sequence[int], adapter_slot: int,
+                                  blocks_needed: int) -> PrefixReclaim:
+        # the last prompt token is always recomputed (match_prefix), so the same bound here
+        return self.pool.reclaim_prefix_blocks_for(prompt, 0, blocks_needed,
+                                                   max_tokens=max(len(prompt) - 1, 0))
+
+    # ------------------------------------------------------------------ forward
+
+    def kv_block_size(self) -> int | None:
+        return self.block_size
+
+    def is_mla(self) -> bool:
+        return False
+
+    def hc_mult(self) -> int:
+        return 0
+
+    def supports_beam(self) -> bool:
+        return False
+
+    def generate_beam_batch(self, reqs: Sequence[BeamReq]) -> list[list[int]]:
+        raise CapabilityAbsent("beam search is not implemented by this runner")
+
+    def is_ep(self) -> bool:
+        return False
+
+    def ep_worker_step(self) -> bool:
+        raise CapabilityAbsent("ep_worker_step: this runner is a single rank (ep_size=1)")
+
+    def synchronize(self) -> None:
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+
+    def mixed_forward_batch(self, decode_tokens: Sequence[int],
+                            decode_seqs: Sequence[SequenceState],
+                            prefill_slices: Sequence[PrefillSlice]) -> MixedBatchResult:
+        """One forward over every decode row and every prefill chunk; samples each decode row
+        and each last chunk with its sequence's ``RowSampling``."""
+        rows, inp = self.prepare_step(decode_tokens, decode_seqs, prefill_slices)
+        if inp is None:
+            return MixedBatchResult(decode=(), prefill=())
+        sampled, logits = self.execute_step(rows, inp)
+        nd = len(decode_seqs)
+        prefill = tuple(sampled.get(nd + i) for i in range(len(prefill_slices)))
+        return MixedBatchResult(decode=tuple(sampled[i] for i in range(nd)), prefill=prefill,
+                                decode_logits=logits[:nd] if nd else None,
+                                prefill_logits=logits[nd:] if len(logits) > nd else None)
+
+    def prepare_step(self, decode_tokens: Sequence[int], decode_seqs: Sequence[SequenceState],
+                     prefill_slices: Sequence[PrefillSlice]
+                     ) -> tuple[list[StepRow], StepInputs | None]:
+        """The host side of a step: validate rows and build the flattened inputs."""
+        if len(decode_tokens) != len(decode_seqs):
+            raise ValueError(f"{len(decode_tokens)} decode tokens for {len(decode_seqs)} sequences")
+        rows = [StepRow(s, (t,), s.seq_len, True) for t, s in zip(decode_tokens, decode_seqs)]
+        rows += [self._prefill_row(sl) for sl in prefill_slices]
+        if not rows:
+            return rows, None
+        return rows, build_step_inputs(rows, self.tables, self.block_size, self.device)
+
+    def _prefill_row(self, sl: PrefillSlice) -> StepRow:
+        seq = sl.seq
+        if sl.chunk_start != seq.seq_len:
+            raise ValueError(f"prefill chunk starts at {sl.chunk_start} but the sequence has "
+                             f"KV for {seq.seq_len} tokens")
+        end = sl.chunk_start + sl.chunk_len
+        if sl.chunk_len <= 0 or end > len(sl.prompt_tokens):
+            raise ValueError(f"prefill chunk [{sl.chunk_start}, {end}) outside a prompt of "
+                             f"{len(sl.prompt_tokens)} tokens")
+        if sl.is_last_chunk and end != len(sl.prompt_tokens):
+            raise ValueError("is_last_chunk set on a chunk that does not end the prompt")
+        targets: tuple[int, ...] = ()
+        if seq.collect_prompt_logprobs is not None:
+            plen = seq.prompt_len or len(sl.prompt_tokens)
+            targets = tuple(sl.prompt_tokens[i + 1] if i + 1 < plen else -1
+                            for i in range(sl.chunk_start, end))
+        return StepRow(seq, sl.prompt_tokens[sl.chunk_start:end], sl.chunk_start,
+                       sl.is_last_chunk, targets)
+
+    @torch.inference_mode()
+    def execute_step(self, rows: list[StepRow], inp: StepInputs
+                     ) -> tuple[dict[int, SampledToken], torch.Tensor]:
+        """The device side: forward, prompt logprobs, sampling; advances each row's KV."""
+        hidden = self.model(inp.input_ids, inp.positions, self.kv_caches, inp.meta)  # [T, H]
+        self._collect_prompt_logprobs(rows, hidden, inp.meta.query_start_loc)
+        for row in rows:
+            row.seq.tokens.extend(row.tokens)
+            row.seq.seq_len = row.seq.kv_valid_tokens = row.start + len(row.tokens)
+        if not inp.sampled_rows:
+            return {}, torch.empty(0)
+        logits = self.model.compute_logits(hidden[inp.sample_index])  # [R, V] float32
+        sampling = [rows[r].seq.sampling for r in inp.sampled_rows]
+        index = [rows[r].seq.output_index for r in inp.sampled_rows]
+        tokens = sample_rows(logits, sampling, index)
+        return dict(zip(inp.sampled_rows, tokens)), logits
+
+    def _collect_prompt_logprobs(self, rows: list[StepRow], hidden: torch.Tensor,
+                                 qsl: Sequence[int]) -> None:
+        for r, row in enumerate(rows):
+            if not row.prompt_targets:
+                continue
+            scored = [i for i, t in enumerate(row.prompt_targets) if t >= 0]
+            if not scored:
+                continue
+            h = hidden[qsl[r]:qsl[r + 1]][torch.tensor(scored)]
+            logits = self.model.compute_logits(h)  # [P, V] float32
+            targets = [row.prompt_targets[i] for i in scored]
+            row.seq.prompt_logprobs.extend(
+                prompt_logprobs_rows(logits, targets, row.seq.collect_prompt_logprobs or 0))
+
+    # seed-shaped conveniences over mixed_forward_batch
+
+    def prefill(self, tokens: Sequence[int], seq: SequenceState) -> SampledToken:
+        out = self.prefill_chunk(tokens, seq, seq.seq_len, len(tokens) - seq.seq_len, True)
+        assert out is not None
+        return out
+
+    def prefill_chunk(self, tokens: Sequence[int], seq: SequenceState, chunk_start: int,
+                      chunk_len: int, is_last_chunk: bool) -> SampledToken | None:
+        sl = PrefillSlice(tokens, seq, chunk_start, chunk_len, is_last_chunk)
+        return self.mixed_forward_batch((), (), [sl]).prefill[0]
+
+    def decode(self, token: int, seq: SequenceState) -> SampledToken:
+        return self.decode_batch([token], [seq])[0]
+
+    def decode_batch(self, tokens: Sequence[int],
+                     seqs: Sequence[SequenceState]) -> tuple[SampledToken, ...]:
+        return self.mixed_forward_batch(tokens, seqs, ()).decode
+
+    def mixed_forward(self, decode_tokens: Sequence[int], decode_seqs: Sequence[SequenceState],
+                      prefill_tokens: Sequence[int], prefill_seq: SequenceState,
+                      prefill_chunk_start: int, prefill_chunk_len: int,
+                      prefill_is_last: bool) -> MixedForwardResult:
+        sl = PrefillSlice(prefill_tokens, prefill_seq, prefill_chunk_start, prefill_chunk_len,
+                          prefill_is_last)
+        res = self.mixed_forward_batch(decode_tokens, decode_seqs, [sl])
+        return MixedForwardResult(decode=res.decode, prefill=res.prefill[0],
+                                  decode_logits=res.decode_logits,
+                                  prefill_logits=res.prefill_logits)
+
+    def prefill_batch_chunk(self, slices: Sequence[PrefillSlice]) -> tuple[SampledToken | None, ...]:
+        return self.mixed_forward_batch((), (), slices).prefill
+
+    # ------------------------------------------------------------------ logits
+
+    def vocab_size(self) -> int:
+        return self.model_config.vocab_size
+
+    def argmax_batch(self, logits: Any) -> list[int]:
+        return [int(i) for i in torch.argmax(logits, dim=-1).tolist()]
+
+    def argmax_batch_masked(self, logits: Any, masks: Sequence[RowMask]) -> list[int]:
+        masked = logits.clone()
+        for r, mask in enumerate(masks):
+            for tok in mask:
+                if tok != ROW_MASK_NONE and 0 <= tok < masked.shape[-1]:
+                    masked[r, tok] = float("-inf")
+        return self.argmax_batch(masked)

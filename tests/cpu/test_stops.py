@@ -1,0 +1,148 @@
+"""StopChecker: stop ids/EOS with min_tokens gating, length, stop strings across deltas."""
+
+import pytest
+from hypothesis import given, settings, strategies as st
+
+from epserve.head.stops import StopChecker
+
+EOS = 2
+
+
+def make(stop=(), stop_ids=(), ignore_eos=False, min_tokens=0, max_tokens=100, include=False):
+    return StopChecker(stop=tuple(stop), stop_token_ids=frozenset(stop_ids), eos_token_ids=frozenset({EOS}),
+                       ignore_eos=ignore_eos, min_tokens=min_tokens, max_tokens=max_tokens,
+                       include_stop_str_in_output=include)
+
+
+def test_eos_and_stop_ids():
+    c = make(stop_ids=[7])
+    assert c.check_token(5, 1) == (None, None)
+    assert c.check_token(EOS, 1) == ("stop", None)
+    assert c.check_token(7, 1) == ("stop", 7)
+
+
+def test_ignore_eos():
+    c = make(stop_ids=[7], ignore_eos=True)
+    assert c.check_token(EOS, 3) == (None, None)
+    assert c.check_token(7, 3) == ("stop", 7)
+    assert c.banned_ids(0) == ()
+
+
+def test_max_tokens_gives_length_and_stop_wins():
+    c = make(max_tokens=4)
+    assert c.check_token(5, 3) == (None, None)
+    assert c.check_token(5, 4) == ("length", None)
+    assert c.check_token(EOS, 4) == ("stop", None)
+
+
+def test_min_tokens_gates_eos_and_stop_ids():
+    c = make(stop_ids=[7, 9], min_tokens=3)
+    for n in (1, 2):
+        assert c.check_token(EOS, n) == (None, None)
+        assert c.check_token(7, n) == (None, None)
+    assert c.check_token(EOS, 3) == ("stop", None)
+    assert c.check_token(9, 3) == ("stop", 9)
+
+
+def test_banned_ids_under_min_tokens():
+    c = make(stop_ids=[9, 7], min_tokens=2)
+    assert c.banned_ids(0) == (EOS, 7, 9)
+    assert c.banned_ids(1) == (EOS, 7, 9)
+    assert c.banned_ids(2) == ()
+    assert make(stop_ids=[7], min_tokens=2, ignore_eos=True).banned_ids(0) == (7,)
+    assert make().banned_ids(0) == ()
+
+
+def test_stop_string_cut_before_or_after():
+    text = "hello STOP world"
+    assert make(stop=["STOP"]).check_text(text, len(text)) == 6
+    assert make(stop=["STOP"], include=True).check_text(text, len(text)) == 10
+    assert make(stop=["STOP"]).find_stop(text, len(text)) == (6, "STOP")
+    assert make(stop=["nope"]).check_text(text, len(text)) is None
+    assert make().check_text(text, len(text)) is None
+
+
+def test_first_ending_stop_wins():
+    assert make(stop=["world", "lo"]).find_stop("hello world", 11) == (3, "lo")
+    assert make(stop=["abcd", "bc"]).find_stop("abcd", 4) == (1, "bc")
+    assert make(stop=["c", "ca"], include=True).find_stop("ca", 2) == (1, "c")
+
+
+def test_stop_string_across_deltas():
+    c = make(stop=["<end>"])
+    text = ""
+    found = None
+    for delta in ["abc<", "e", "nd", ">tail"]:
+        text += delta
+        found = c.check_text(text, len(delta))
+        if found is not None:
+            break
+    assert text[:found] == "abc"
+
+
+def test_search_is_limited_to_the_tail():
+    c = make(stop=["ab"])
+    # "ab" lies far before the delta: it was (or would have been) found by an earlier check.
+    assert c.check_text("ab" + "x" * 50 + "yz", 2) is None
+    assert c.check_text("x" * 50 + "a" + "b", 1) == 50
+
+
+def test_stop_strings_gated_by_min_tokens_when_told():
+    c = make(stop=["x"], min_tokens=3)
+    assert c.check_text("ax", 1, num_generated=2) is None
+    assert c.check_text("ax", 1, num_generated=3) == 1
+    assert c.check_text("ax", 1) == 1
+
+
+def test_safe_stream_len():
+    c = make(stop=["STOP", "END"])
+    assert c.safe_stream_len("hello ST") == 6
+    assert c.safe_stream_len("hello E") == 6
+    assert c.safe_stream_len("hello S") == 6
+    assert c.safe_stream_len("hello") == 5
+    assert c.safe_stream_len("") == 0
+    assert make(stop=["STOP"], include=True).safe_stream_len("hello ST") == 8
+    assert make().safe_stream_len("abc") == 3
+
+
+def _stream(c, text, cuts):
+    """Feed text in deltas of the given sizes; return (cut index or None, safe lengths seen)."""
+    pos, safes = 0, []
+    for step in cuts:
+        if pos >= len(text):
+            break
+        delta = text[pos:pos + step]
+        pos += len(delta)
+        cut = c.check_text(text[:pos], len(delta))
+        if cut is not None:
+            return cut, safes
+        safes.append((pos, c.safe_stream_len(text[:pos])))
+    return None, safes
+
+
+@settings(max_examples=300, deadline=None)
+@given(text=st.text(alphabet="abc", max_size=30),
+       stops=st.lists(st.text(alphabet="abc", min_size=1, max_size=4), min_size=1, max_size=3),
+       cuts=st.lists(st.integers(1, 6), max_size=30), include=st.booleans())
+def test_delta_sizes_do_not_change_the_cut(text, stops, cuts, include):
+    c = make(stop=stops, include=include)
+    want, _ = _stream(c, text, [1] * len(text))
+    got, safes = _stream(c, text, cuts + [len(text)])
+    assert got == want
+    if want is None:
+        assert not any(s in text for s in stops)
+    else:
+        shown = text[:want]
+        # Cut text holds no stop string, or (include) exactly one, at its very end.
+        body = shown if not include else shown[:-1]
+        assert not any(s in body for s in stops)
+    for pos, safe in safes:
+        # Streamed text never holds anything that could still turn out to be cut away.
+        assert safe <= pos and (want is None or safe <= want)
+
+
+def test_rejects_bad_config():
+    with pytest.raises(ValueError):
+        make(stop=[""])
+    with pytest.raises(ValueError):
+        make(max_tokens=0)

@@ -1,0 +1,98 @@
+"""The seed's functions and constants keep their exact semantics in Python."""
+
+from __future__ import annotations
+
+import math
+import struct
+
+import pytest
+
+from epserve.models import traits as T
+
+
+def test_ladder_and_padded_batch_n():
+    assert T.DECODE_BATCH_LADDER == (2, 4, 8, 12, 16, 24, 32, 48, 64, 96, 128)
+    assert T.padded_batch_n(0) == 2
+    assert T.padded_batch_n(1) == 2
+    assert T.padded_batch_n(2) == 2
+    assert T.padded_batch_n(3) == 4
+    assert T.padded_batch_n(9) == 12
+    assert T.padded_batch_n(13) == 16
+    assert T.padded_batch_n(97) == 128
+    assert T.padded_batch_n(128) == 128
+    assert T.padded_batch_n(129) == 129
+    assert T.padded_batch_n(1000) == 1000
+    for n in range(1, 129):
+        p = T.padded_batch_n(n)
+        assert p >= n and p in T.DECODE_BATCH_LADDER
+        assert all(r < n for r in T.DECODE_BATCH_LADDER if r < p)
+    with pytest.raises(ValueError):
+        T.padded_batch_n(-1)
+
+
+def test_logprob_of_matches_log_softmax():
+    logits = [0.5, 2.0, -1.0, 2.0, 0.0]
+    lse = math.log(sum(math.exp(x) for x in logits))
+    lp, top = T.logprob_of(logits, 2, 3)
+    assert lp == pytest.approx(-1.0 - lse, abs=1e-12)
+    # highest first; the tie between ids 1 and 3 keeps the lower id first
+    assert [t for t, _ in top] == [1, 3, 0]
+    assert top[0][1] == pytest.approx(2.0 - lse, abs=1e-12)
+    assert T.logprob_of(logits, 0, 0) == (pytest.approx(0.5 - lse), [])
+
+
+def test_logprob_of_out_of_vocab_and_empty_give_minus_inf():
+    assert T.logprob_of([], 0, 3) == (-math.inf, [])
+    lp, top = T.logprob_of([1.0, 2.0], 2, 1)
+    assert lp == -math.inf and top[0][0] == 1
+    lp, _ = T.logprob_of([1.0, 2.0], -1, 0)
+    assert lp == -math.inf
+
+
+def test_bf16_to_f32_upper_bits():
+    for value in (1.0, -2.5, 0.0, 3.140625, float("inf")):
+        bits = struct.unpack("<I", struct.pack("<f", value))[0]
+        two = struct.pack("<H", bits >> 16)
+        assert T.bf16_to_f32(two) == value
+    assert T.bf16_to_f32(b"\x80\x3f") == 1.0
+    assert math.isnan(T.bf16_to_f32(b"\xc0\x7f"))
+    with pytest.raises(ValueError):
+        T.bf16_to_f32(b"\x00")
+
+
+def test_extract_bf16_row():
+    vals = [1.0, 3.0, 2.0, -1.0]
+    row = b"".join(struct.pack("<H", struct.unpack("<I", struct.pack("<f", v))[0] >> 16)
+                   for v in vals)
+    got = T.extract_bf16(row, 2, 2)
+    lp, top = T.logprob_of(vals, 2, 2)
+    assert got.token_id == 2 and got.logprob == pytest.approx(lp)
+    assert [t for t, _ in got.top] == [1, 2]
+    with pytest.raises(ValueError):
+        T.extract_bf16(b"\x00\x00\x00", 0, 1)
+
+
+def test_row_mask_none_is_u32_max():
+    assert T.ROW_MASK_NONE == 2**32 - 1
+    mask: T.RowMask = (T.ROW_MASK_NONE, 5)
+    assert mask[0] == 0xFFFFFFFF
+
+
+def test_types_exist_with_seed_names():
+    for name in ("SequenceState", "PrefillSlice", "MixedBatchResult", "MixedForwardResult",
+                 "BeamReq", "PromptTokenLogprob", "ChunkedPrefillPageMetadata",
+                 "VerifyBatchedOpts", "PrefixReclaim", "ForwardDisclosure", "EpCommandFailed",
+                 "FeedSource", "ForwardSelect", "Model", "ModelForward", "ModelLifecycle",
+                 "ModelLogits", "ModelVerify", "ModelDraft", "ModelAdapters", "ModelSsmState",
+                 "ModelEp", "ModelStreams", "ModelDeviceFeed", "ModelCircuit", "ModelVision"):
+        assert hasattr(T, name), name
+    err = T.EpCommandFailed(7, "unknown sequence 3", seq_slots=[3])
+    assert isinstance(err, Exception) and err.step_id == 7 and "step 7" in str(err)
+    assert T.PrefixReclaim(target=4, free=2).free < 4
+
+
+def test_sequence_state_is_independent_per_instance():
+    a, b = T.SequenceState(), T.SequenceState()
+    a.tokens.append(1)
+    a.block_table.append(3)
+    assert b.tokens == [] and b.block_table == []
