@@ -60,15 +60,11 @@ def run(num_seqs: int, steps: int, prompt_len: int) -> dict[str, float]:
         t0 = time.perf_counter()
         plan = sched.schedule()
         t1 = time.perf_counter()
-        rows, inp = runner.prepare_step(plan.decode_tokens, [s.state for s in plan.decode],
-                                        plan.slices)
+        inp = runner.prepare_step(plan.decode_tokens, [s.state for s in plan.decode],
+                                  plan.slices)
         t2 = time.perf_counter()
         assert len(plan.decode) == num_seqs and not plan.slices
-        sampled, _ = runner.execute_step(rows, inp)
-        from epserve.models.traits import MixedBatchResult
-
-        engine._apply(plan, MixedBatchResult(decode=tuple(sampled[i] for i in range(num_seqs)),
-                                             prefill=()), {})
+        engine._apply(plan, runner.execute_step(inp), {})
         plan_t.append(t1 - t0)
         build_t.append(t2 - t1)
     total = [a + b for a, b in zip(plan_t, build_t)]

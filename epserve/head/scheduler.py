@@ -86,9 +86,22 @@ class Scheduler:
     def schedule(self) -> StepPlan:
         plan = StepPlan()
         budget = self.cfg.max_num_batched_tokens
+        bs = self.block_size
+        running = self.running
+        decode, decode_tokens = plan.decode, plan.decode_tokens
         i = 0
-        while i < len(self.running) and budget > 0:
-            seq = self.running[i]
+        while i < len(running) and budget > 0:
+            seq = running[i]
+            state = seq.state
+            out = seq.output_ids
+            # Fast path, most rows of most steps: a decode row whose slot is already reserved.
+            if (out and state.seq_len == seq.num_tokens - 1
+                    and state.seq_len < len(state.block_table) * bs):
+                decode.append(seq)
+                decode_tokens.append(out[-1])
+                budget -= 1
+                i += 1
+                continue
             n = self._chunk(seq, budget)
             if not self._reserve(seq, n, plan):
                 if seq.status is not SeqStatus.RUNNING:

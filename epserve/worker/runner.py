@@ -141,6 +141,7 @@ class Runner:
         seq.block_table.extend(blocks)
         seq.tokens.extend(prompt[:n])
         seq.seq_len = seq.kv_valid_tokens = n
+        self.tables.seq_lens[seq.slot_idx] = n
         seq.cached_prefix_tokens = seq.reused_prefix_tokens = n
         seq.cached_prefix_blocks = len(blocks)
         return n
@@ -166,6 +167,7 @@ class Runner:
         seq.block_table.clear()
         seq.seq_len = 0
         if seq.slot_idx >= 0:
+            self.tables.reset(seq.slot_idx)
             self._free_slots.append(seq.slot_idx)
             seq.slot_idx = -1
 
@@ -216,27 +218,21 @@ class Runner:
                             prefill_slices: Sequence[PrefillSlice]) -> MixedBatchResult:
         """One forward over every decode row and every prefill chunk; samples each decode row
         and each last chunk with its sequence's ``RowSampling``."""
-        rows, inp = self.prepare_step(decode_tokens, decode_seqs, prefill_slices)
+        inp = self.prepare_step(decode_tokens, decode_seqs, prefill_slices)
         if inp is None:
             return MixedBatchResult(decode=(), prefill=())
-        sampled, logits = self.execute_step(rows, inp)
-        nd = len(decode_seqs)
-        prefill = tuple(sampled.get(nd + i) for i in range(len(prefill_slices)))
-        return MixedBatchResult(decode=tuple(sampled[i] for i in range(nd)), prefill=prefill,
-                                decode_logits=logits[:nd] if nd else None,
-                                prefill_logits=logits[nd:] if len(logits) > nd else None)
+        return self.execute_step(inp)
 
     def prepare_step(self, decode_tokens: Sequence[int], decode_seqs: Sequence[SequenceState],
-                     prefill_slices: Sequence[PrefillSlice]
-                     ) -> tuple[list[StepRow], StepInputs | None]:
+                     prefill_slices: Sequence[PrefillSlice]) -> StepInputs | None:
         """The host side of a step: validate rows and build the flattened inputs."""
         if len(decode_tokens) != len(decode_seqs):
             raise ValueError(f"{len(decode_tokens)} decode tokens for {len(decode_seqs)} sequences")
-        rows = [StepRow(s, (t,), s.seq_len, True) for t, s in zip(decode_tokens, decode_seqs)]
-        rows += [self._prefill_row(sl) for sl in prefill_slices]
-        if not rows:
-            return rows, None
-        return rows, build_step_inputs(rows, self.tables, self.block_size, self.device)
+        rows = [self._prefill_row(sl) for sl in prefill_slices]
+        if not rows and not decode_seqs:
+            return None
+        return build_step_inputs(decode_tokens, decode_seqs, rows, self.tables,
+                                 self.block_size, self.device)
 
     def _prefill_row(self, sl: PrefillSlice) -> StepRow:
         seq = sl.seq
@@ -258,24 +254,43 @@ class Runner:
                        sl.is_last_chunk, targets)
 
     @torch.inference_mode()
-    def execute_step(self, rows: list[StepRow], inp: StepInputs
-                     ) -> tuple[dict[int, SampledToken], torch.Tensor]:
+    def execute_step(self, inp: StepInputs) -> MixedBatchResult:
         """The device side: forward, prompt logprobs, sampling; advances each row's KV."""
         hidden = self.model(inp.input_ids, inp.positions, self.kv_caches, inp.meta)  # [T, H]
-        self._collect_prompt_logprobs(rows, hidden, inp.meta.query_start_loc)
-        for row in rows:
+        nd = len(inp.decode_seqs)
+        self._collect_prompt_logprobs(inp.prefill_rows, hidden, inp.meta.query_start_loc[nd:])
+        for tok, seq in zip(inp.decode_tokens, inp.decode_seqs):
+            seq.tokens.append(tok)
+            seq.seq_len += 1
+            seq.kv_valid_tokens = seq.seq_len
+        for row in inp.prefill_rows:
             row.seq.tokens.extend(row.tokens)
             row.seq.seq_len = row.seq.kv_valid_tokens = row.start + len(row.tokens)
-        if not inp.sampled_rows:
-            return {}, torch.empty(0)
+        self._advance_slot_lens(inp)
+        seqs = list(inp.decode_seqs) + [inp.prefill_rows[r].seq for r in inp.sampled_prefill]
+        prefill: list[SampledToken | None] = [None] * len(inp.prefill_rows)
+        if not seqs:
+            return MixedBatchResult(decode=(), prefill=tuple(prefill))
         logits = self.model.compute_logits(hidden[inp.sample_index])  # [R, V] float32
-        sampling = [rows[r].seq.sampling for r in inp.sampled_rows]
-        index = [rows[r].seq.output_index for r in inp.sampled_rows]
-        tokens = sample_rows(logits, sampling, index)
-        return dict(zip(inp.sampled_rows, tokens)), logits
+        tokens = sample_rows(logits, [s.sampling for s in seqs], [s.output_index for s in seqs])
+        for r, tok in zip(inp.sampled_prefill, tokens[nd:]):
+            prefill[r] = tok
+        return MixedBatchResult(decode=tuple(tokens[:nd]), prefill=tuple(prefill),
+                                decode_logits=logits[:nd] if nd else None,
+                                prefill_logits=logits[nd:] if len(seqs) > nd else None)
 
-    def _collect_prompt_logprobs(self, rows: list[StepRow], hidden: torch.Tensor,
+    def _advance_slot_lens(self, inp: StepInputs) -> None:
+        """Mirror the rows' new ``seq_len`` into the slot table (decode rows in one op)."""
+        nd = len(inp.decode_seqs)
+        if nd:
+            slots = torch.tensor([s.slot_idx for s in inp.decode_seqs], dtype=torch.int64)
+            self.tables.seq_lens.index_add_(0, slots, torch.ones(nd, dtype=torch.int64))
+        for row in inp.prefill_rows:
+            self.tables.seq_lens[row.seq.slot_idx] = row.seq.seq_len
+
+    def _collect_prompt_logprobs(self, rows: Sequence[StepRow], hidden: torch.Tensor,
                                  qsl: Sequence[int]) -> None:
+        """Score each collecting row's prompt positions; ``qsl``: the rows' starts in hidden."""
         for r, row in enumerate(rows):
             if not row.prompt_targets:
                 continue
