@@ -40,8 +40,16 @@ class AttentionMetadata:
         if self.block_tables.dim() != 2 or self.block_tables.shape[0] != s:
             raise ValueError(f"AttentionMetadata: block_tables shape {tuple(self.block_tables.shape)}"
                              f" does not match {s} sequences")
-        # Per-sequence row counts are the builder's invariant (checked there, once per row); a
-        # loop here would cost more than the rest of a 256-row decode step's host work.
+        # Per-sequence row counts are checked in ``validate`` (the reference attention calls it):
+        # a loop here would cost more than the rest of a 256-row decode step's host work.
+
+    def validate(self) -> None:
+        """Each sequence has at most ``seq_len`` new rows (O(S) on the host)."""
+        for i in range(len(self.seq_lens)):
+            n = self.query_start_loc[i + 1] - self.query_start_loc[i]
+            if n < 0 or n > self.seq_lens[i]:
+                raise ValueError(f"AttentionMetadata: sequence {i} has {n} new rows but "
+                                 f"seq_len {self.seq_lens[i]}")
 
     @property
     def num_seqs(self) -> int:
@@ -112,6 +120,7 @@ def paged_attention_ref(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.T
     q: [T, Hq, D]; k_cache, v_cache: [NB, BS, Hkv, D] with Hq a multiple of Hkv (query head h
     reads kv head ``h // (Hq // Hkv)``). Returns [T, Hq, D] in q.dtype; padded rows are zero.
     """
+    meta.validate()
     t, hq, d = q.shape
     hkv = k_cache.shape[2]
     group = hq // hkv

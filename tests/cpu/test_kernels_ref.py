@@ -100,7 +100,7 @@ def test_metadata_rejects_inconsistent_lengths():
                           torch.zeros(2, 1, dtype=torch.int32), 4)
     with pytest.raises(ValueError, match="new rows"):
         AttentionMetadata(torch.zeros(3, dtype=torch.int64), (0, 3), (2,),
-                          torch.zeros(1, 1, dtype=torch.int32), 4)
+                          torch.zeros(1, 1, dtype=torch.int32), 4).validate()
 
 
 # --------------------------------------------------------------------------- moe
