@@ -30,3 +30,29 @@ def mixtral_ckpt(tmp_path_factory) -> Path:
 def tiny_ckpt(request) -> Path:
     """Each architecture's tiny checkpoint in turn."""
     return request.getfixturevalue({"qwen3_moe": "qwen3_ckpt", "mixtral": "mixtral_ckpt"}[request.param])
+
+
+@pytest.fixture(scope="session")
+def ray_cluster():
+    """One local Ray cluster per test session: loopback only, no dashboard, auth off."""
+    os.environ.setdefault("RAY_AUTH_MODE", "disabled")
+    os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
+    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+    os.environ.pop("RAY_ADDRESS", None)
+    import ray
+
+    from epserve.cluster.bringup import init_ray
+
+    init_ray(num_cpus=4)
+    yield ray
+    ray.shutdown()
+
+
+@pytest.fixture(scope="session")
+def demo_model_dir(tmp_path_factory) -> Path:
+    """The built-in demo model (real tokenizer, chat template), built once per session."""
+    from epserve.models.demo import demo_model_path
+
+    cache = tmp_path_factory.mktemp("epserve-cache")
+    os.environ["EPSERVE_CACHE_DIR"] = str(cache)
+    return demo_model_path(cache_dir=cache, progress=False)

@@ -1,0 +1,130 @@
+"""EngineArgs: every option that builds an engine, and ``build_engine`` that assembles one.
+
+Invariants: the same arguments build the same engine in-process (``LLM``) or inside the
+HeadActor (server, EP); options are plain values (they cross process boundaries as msgpack
+maps, never pickles); an invalid option raises ``ValueError`` naming it before anything loads.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Sequence
+
+from epserve.head.engine import Engine, EngineConfig
+from epserve.head.scheduler import SchedulerConfig
+from epserve.worker.runner import Runner, RunnerConfig
+
+
+@dataclass(frozen=True)
+class EngineArgs:
+    """``model=None`` is the built-in demo model (random weights; its text is random)."""
+
+    model: str | None = None
+    tokenizer: str | None = None
+    served_model_name: str | None = None
+    dtype: str = "auto"
+    device: str = "auto"
+    max_model_len: int | None = None
+    block_size: int = 16
+    num_kv_blocks: int | None = None
+    max_num_seqs: int = 256
+    max_num_batched_tokens: int = 2048
+    long_prefill_token_threshold: int = 0
+    enable_prefix_caching: bool = True
+    load_format: str = "auto"
+    seed: int = 0
+    ep_size: int = 1
+
+    def __post_init__(self) -> None:
+        for name in ("block_size", "max_num_seqs", "max_num_batched_tokens", "ep_size"):
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+                raise ValueError(f"{name} must be a positive integer, got {v!r}")
+        for name in ("max_model_len", "num_kv_blocks"):
+            v = getattr(self, name)
+            if v is not None and (isinstance(v, bool) or not isinstance(v, int) or v < 1):
+                raise ValueError(f"{name} must be a positive integer or None, got {v!r}")
+
+    def resolved(self) -> "EngineArgs":
+        """The same args with ``model`` set (the demo model is built when it is None)."""
+        if self.model is not None:
+            return self
+        from epserve.models.demo import demo_model_path
+
+        return dataclasses.replace(self, model=str(demo_model_path()))
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> "EngineArgs":
+        known = {f.name for f in dataclasses.fields(cls)}
+        unknown = set(d) - known
+        if unknown:
+            raise ValueError(f"unknown engine option(s): {', '.join(sorted(unknown))}")
+        return cls(**d)
+
+    def runner_config(self) -> RunnerConfig:
+        assert self.model is not None, "call resolved() first"
+        return RunnerConfig(
+            model=self.model, dtype=self.dtype, device=self.device,
+            max_model_len=self.max_model_len, block_size=self.block_size,
+            num_kv_blocks=self.num_kv_blocks, max_num_seqs=self.max_num_seqs,
+            enable_prefix_caching=self.enable_prefix_caching, load_format=self.load_format,
+            seed=self.seed)
+
+
+class NoTokenizer:
+    """Stands in where a checkpoint ships no tokenizer: token ids in, empty text out."""
+
+    eos_token_id = None
+    chat_template = None
+
+    def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str:
+        return ""
+
+
+def load_tokenizer(path: str, tokenizer: str | None) -> Any:
+    """The checkpoint's (or ``tokenizer``'s) HF tokenizer, or None when it ships none."""
+    src = tokenizer or path
+    files = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model")
+    if not any((Path(src) / f).exists() for f in files):
+        return None
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(src)
+
+
+def eos_token_ids(path: str, config_eos: Sequence[int], tok: Any) -> frozenset[int]:
+    """EOS ids from config.json, generation_config.json and the tokenizer, together."""
+    ids = set(config_eos)
+    gen = Path(path) / "generation_config.json"
+    if gen.exists():
+        eos = json.loads(gen.read_text()).get("eos_token_id")
+        ids.update(eos if isinstance(eos, list) else [eos] if isinstance(eos, int) else [])
+    if tok is not None and isinstance(getattr(tok, "eos_token_id", None), int):
+        ids.add(tok.eos_token_id)
+    return frozenset(ids)
+
+
+def build_engine(args: EngineArgs, runner: Any = None) -> tuple[Engine, Any, Any]:
+    """(engine, runner, tokenizer-or-None) for resolved ``args``; ``runner`` overrides the
+    default single-rank Runner (the EP leader passes its own)."""
+    args = args.resolved()
+    if runner is None:
+        if args.ep_size != 1:
+            raise ValueError(f"ep_size={args.ep_size} needs the EP cluster (cluster.bringup)")
+        runner = Runner(args.runner_config())
+    tok = load_tokenizer(args.model, args.tokenizer)
+    mc = runner.model_config
+    engine = Engine(runner, tok or NoTokenizer(), EngineConfig(
+        max_model_len=runner.max_model_len, vocab_size=mc.vocab_size,
+        eos_token_ids=eos_token_ids(args.model, mc.eos_token_ids, tok), seed=args.seed,
+        scheduler=SchedulerConfig(
+            max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
+            long_prefill_token_threshold=args.long_prefill_token_threshold,
+            enable_prefix_caching=args.enable_prefix_caching)))
+    return engine, runner, tok
