@@ -35,31 +35,57 @@ def init_ray(num_cpus: int | None = None) -> None:
              num_cpus=num_cpus, _node_ip_address="127.0.0.1", log_to_driver=False)
 
 
-def start_head(args: EngineArgs, name: str = HEAD_NAME, timeout_s: float = 600.0) -> Any:
-    """The named HeadActor for ``args`` (created when absent) once its model is loaded."""
+def start_head(args: EngineArgs, name: str = HEAD_NAME, timeout_s: float = 600.0,
+               strategy: str = "STRICT_PACK", detached: bool = True) -> Any:
+    """The named HeadActor for ``args`` (created when absent) once its model is loaded.
+
+    With ``ep_size`` N > 1 a placement group of N bundles (``strategy``: STRICT_PACK on one
+    node, or SPREAD) holds the head in bundle 0 and EP ranks 1..N-1 in the others."""
     import ray
+    from ray.util.placement_group import placement_group
+    from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
+    from epserve.cluster.ep_group import bundle
     from epserve.cluster.head_actor import HeadActor
+    from epserve.worker.runner import resolve_device
 
+    if strategy not in ("STRICT_PACK", "PACK", "SPREAD", "STRICT_SPREAD"):
+        raise ValueError(f"placement strategy {strategy!r} is not a Ray strategy")
     init_ray()
     args = args.resolved()
-    if args.ep_size != 1:
-        raise ValueError(f"ep_size={args.ep_size}: expert parallelism over several ranks is not "
-                         f"available in this version; use ep_size=1")
-    actor = ray.remote(HeadActor).options(
-        name=name, namespace=NAMESPACE, get_if_exists=True, lifetime="detached",
-        num_cpus=0, max_concurrency=10_000)
-    head = actor.remote(args.to_dict())
+    opts: dict[str, Any] = dict(name=name, namespace=NAMESPACE, get_if_exists=True,
+                                num_cpus=0, max_concurrency=10_000)
+    if detached:
+        opts["lifetime"] = "detached"
+    pg = None
+    if args.ep_size > 1:
+        device_type = resolve_device(args.device).type
+        pg = placement_group([bundle(device_type)] * args.ep_size, strategy=strategy)
+        try:
+            ray.get(pg.ready(), timeout=timeout_s)
+        except Exception:
+            raise ValueError(f"ep_size={args.ep_size}: the cluster cannot place "
+                             f"{args.ep_size} ranks ({bundle(device_type)} each, "
+                             f"{strategy})") from None
+        opts["scheduling_strategy"] = PlacementGroupSchedulingStrategy(
+            pg, placement_group_bundle_index=0)
+        if device_type == "cuda":
+            opts["num_gpus"] = 1
+    head = ray.remote(HeadActor).options(**opts).remote(args.to_dict(), pg)
     ray.get(head.ready.remote(), timeout=timeout_s)
     return head
 
 
 def stop_head(name: str = HEAD_NAME) -> None:
-    """Kill the named head (and with it its EP ranks), if it exists."""
+    """Shut the named head down (and with it its EP ranks), if it exists."""
     import ray
 
     try:
         head = ray.get_actor(name, namespace=NAMESPACE)
     except ValueError:
         return
+    try:
+        ray.get(head.shutdown.remote(), timeout=30)
+    except Exception as exc:  # a dead or stuck head is killed all the same
+        log.warning("head shutdown: %s", exc)
     ray.kill(head, no_restart=True)

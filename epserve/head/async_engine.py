@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import threading
+import time
 from dataclasses import dataclass, field
 from typing import AsyncIterator, Sequence
 
@@ -51,6 +52,7 @@ class AsyncEngine:
         self._dead: str | None = None
         self._stop = False
         self._idle_wait_s = idle_wait_s
+        self.step_started_at: float | None = None
         self._thread = threading.Thread(target=self._loop, name="epserve-engine", daemon=True)
         self._thread.start()
 
@@ -64,7 +66,9 @@ class AsyncEngine:
                 continue
             try:
                 with self._lock:
+                    self.step_started_at = time.monotonic()
                     outs = self.engine.step()
+                    self.step_started_at = None
             except Exception as exc:  # the engine itself broke: fail everyone, stay dead
                 log.exception("engine loop failed")
                 self._die(f"engine failed: {exc}")
@@ -83,22 +87,27 @@ class AsyncEngine:
         loop.call_soon_threadsafe(queue.put_nowait, out)
 
     def _die(self, reason: str) -> None:
-        self._dead = reason
+        if self._dead is None:
+            self._dead = reason
         for rid, (loop, queue) in list(self._queues.items()):
             loop.call_soon_threadsafe(queue.put_nowait, _error_output(rid, reason))
         self._queues.clear()
 
-    def mark_dead(self, reason: str) -> None:
-        """Called from outside (e.g. a rank died): fail every in-flight request now."""
-        self._stop = True
-        self._wake.set()
-        with self._lock:
-            self._die(reason)
+    @property
+    def dead_reason(self) -> str | None:
+        return self._dead
 
-    def shutdown(self) -> None:
+    def mark_dead(self, reason: str) -> None:
+        """Called from outside (e.g. a rank died): fail every in-flight request now. Does not
+        wait for the engine lock: the engine thread may be stuck in a collective."""
         self._stop = True
         self._wake.set()
-        self._thread.join(timeout=5)
+        self._die(reason)
+
+    def shutdown(self, timeout_s: float = 5.0) -> None:
+        self._stop = True
+        self._wake.set()
+        self._thread.join(timeout=timeout_s)
 
     # ------------------------------------------------------------------ requests
 

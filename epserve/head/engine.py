@@ -23,7 +23,9 @@ from epserve.head.sampling_params import SamplingParams
 from epserve.head.scheduler import Scheduler, SchedulerConfig, StepPlan
 from epserve.head.sequence import Request, SeqStatus, Sequence
 from epserve.head.stops import StopChecker
-from epserve.models.traits import EpCommandFailed, Model, MixedBatchResult, SampledToken
+from epserve.models.traits import (
+    EpCommandFailed, MixedBatchResult, Model, RankFailure, SampledToken,
+)
 
 log = logging.getLogger(__name__)
 
@@ -132,6 +134,8 @@ class Engine:
                 result = self.model.mixed_forward_batch(plan.decode_tokens,
                                                         [s.state for s in plan.decode],
                                                         plan.slices)
+            except RankFailure:
+                raise  # the group is broken: the caller fails everything and re-forms
             except (EpCommandFailed, ValueError, RuntimeError) as exc:
                 log.error("step failed, failing its %d sequences: %s",
                           len(plan.decode) + len(plan.prefill), exc)

@@ -140,8 +140,9 @@ class Scheduler:
             need = -(-target // self.block_size) - len(seq.state.block_table)
             if self.model.reclaim_prefix_blocks(need) > 0:
                 continue
-            victim = self.running[-1]
-            if victim is seq and len(seq.state.block_table) + need > self.model.num_total_blocks():
+            victim = self._newest_on_rank(seq.state.rank)
+            if victim is seq and (len(seq.state.block_table) + need
+                                  > self.model.num_total_blocks(seq.state.rank)):
                 self._fail(seq, plan, f"the sequence needs {target} tokens of KV cache, more "
                                       f"than the whole pool holds")
                 return False
@@ -149,6 +150,13 @@ class Scheduler:
             if victim is seq:
                 return False
         return True
+
+    def _newest_on_rank(self, rank: int) -> Sequence:
+        """Preempting a sequence frees blocks only in its own rank's pool (EP)."""
+        for seq in reversed(self.running):
+            if seq.state.rank == rank:
+                return seq
+        raise AssertionError("the sequence being reserved is running on its rank")
 
     def _preempt(self, seq: Sequence, plan: StepPlan) -> None:
         self.running.remove(seq)
@@ -179,7 +187,7 @@ class Scheduler:
         while self.waiting and budget > 0 and len(self.running) < self.cfg.max_num_seqs:
             seq = self.waiting[0]
             tokens = seq.all_tokens()
-            if -(-len(tokens) // self.block_size) > self.model.num_total_blocks():
+            if -(-len(tokens) // self.block_size) > self.model.num_total_blocks(0):
                 self.waiting.popleft()
                 seq.status = SeqStatus.FINISHED
                 plan.failed.append((seq, f"the sequence needs {len(tokens)} tokens of KV "

@@ -171,10 +171,11 @@ class Runner:
             self._free_slots.append(seq.slot_idx)
             seq.slot_idx = -1
 
-    def num_free_blocks(self) -> int:
+    def num_free_blocks(self, rank: int | None = None) -> int:
+        """Free KV blocks (``rank`` is for EP runners: one rank's pool; ignored here)."""
         return self.pool.num_free_blocks()
 
-    def num_total_blocks(self) -> int:
+    def num_total_blocks(self, rank: int | None = None) -> int:
         return self.pool.num_total_blocks()
 
     def reclaim_prefix_blocks(self, num_blocks: int) -> int:

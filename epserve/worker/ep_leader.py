@@ -1,0 +1,306 @@
+"""EpLeaderRunner: the Model traits over N EP ranks, from rank 0.
+
+Owns every rank's KV pool and slot list (the scheduler's allocations happen here), and turns
+each forward call into one ``StepCommand``: broadcast, run rank 0's rows, gather every rank's
+sampled tokens. Invariants: what travels is the difference between the scheduler's sequences
+and the mirror every rank holds (new sequences once, then new blocks, sampling changes,
+releases); an invalid command raises ``EpCommandFailed`` here exactly as on every worker; a
+failed broadcast, gather or collective raises ``RankFailure`` (the group must be re-formed).
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any, Callable, Sequence
+
+from epserve.models.traits import (
+    EpCommandFailed, ForwardDisclosure, MixedBatchResult, PrefillSlice, PrefixReclaim,
+    RankFailure, SampledToken, SequenceState,
+)
+from epserve.worker.ep_rank import EpRank, wire_sampling
+from epserve.worker.ep_results import decode_result
+from epserve.worker.kv_pool import KVPool
+from epserve.worker.protocol import (
+    FEED_DEVICE, BlockUpdate, DecodeRow, NewSeq, PrefillRow, Release, SamplingUpdate,
+    StepCommand, encode,
+)
+
+log = logging.getLogger(__name__)
+
+
+class EpLeaderRunner:
+    """Rank 0 of an EP group, seen by the scheduler as one Model."""
+
+    def __init__(self, rank0: EpRank, comm: Any, world_size: int):
+        self.rank0 = rank0
+        self.runner = rank0.runner
+        self.comm = comm
+        self.world_size = world_size
+        r = self.runner
+        self.model_config = r.model_config
+        self.max_model_len = r.max_model_len
+        self.block_size = r.block_size
+        self.pools = [KVPool(r.num_blocks, r.block_size, r.cfg.enable_prefix_caching)
+                      for _ in range(world_size)]
+        self.free_slots = [list(range(r.cfg.max_num_seqs - 1, -1, -1)) for _ in range(world_size)]
+        self.live: dict[tuple[int, int], SequenceState] = {}
+        self.pending_releases: set[tuple[int, int]] = set()
+        self.shipped_sampling: dict[tuple[int, int], Any] = {}
+        self.last_token: dict[tuple[int, int], int] = {}
+        self._next_rank: int | None = None
+        self._fault: Callable[[StepCommand, Any], StepCommand] | None = None
+        self._shipment: _Shipment | None = None
+
+    # ------------------------------------------------------------------ facts
+
+    def capabilities(self) -> frozenset[str]:
+        return frozenset({"forward", "lifecycle", "ep", "streams", "circuit"})
+
+    def forward_disclosure(self) -> ForwardDisclosure:
+        return ForwardDisclosure()
+
+    def is_ep(self) -> bool:
+        return True
+
+    def kv_block_size(self) -> int | None:
+        return self.block_size
+
+    def vocab_size(self) -> int:
+        return self.model_config.vocab_size
+
+    def is_mla(self) -> bool:
+        return False
+
+    def hc_mult(self) -> int:
+        return 0
+
+    def supports_beam(self) -> bool:
+        return False
+
+    def synchronize(self) -> None:
+        self.runner.synchronize()
+
+    def bind_gpu_to_thread(self) -> None:
+        self.runner.bind_gpu_to_thread()
+
+    def teardown(self) -> None:
+        self.runner.teardown()
+
+    def inject_fault(self, mutate: Callable[[StepCommand, Any], StepCommand]) -> None:
+        """Apply ``mutate`` to the next command before it is sent (fault-injection tests)."""
+        self._fault = mutate
+
+    # ------------------------------------------------------------------ lifecycle
+
+    def _pick_rank(self, prompt: Sequence[int] | None) -> int:
+        """The rank whose cache holds the longest prefix of ``prompt``; then the least loaded."""
+        load = [len(self.free_slots[r]) for r in range(self.world_size)]
+
+        def score(r: int) -> tuple:
+            hit = self.pools[r].peek_prefix(prompt, 0, max_tokens=len(prompt) - 1) if prompt else 0
+            return hit, load[r], self.pools[r].num_free_blocks(), -r
+
+        return max(range(self.world_size), key=score)
+
+    def alloc_sequence(self) -> SequenceState:
+        rank = self._next_rank if self._next_rank is not None else self._pick_rank(None)
+        self._next_rank = None
+        if not self.free_slots[rank]:
+            raise RuntimeError(f"no free sequence slot on rank {rank}")
+        slot = self.free_slots[rank].pop()
+        seq = SequenceState(slot_idx=slot, rank=rank)
+        self.live[(rank, slot)] = seq
+        return seq
+
+    def alloc_sequence_for(self, budget_tokens: int) -> SequenceState:
+        if budget_tokens > self.max_model_len:
+            raise ValueError(f"{budget_tokens} tokens exceed max_model_len={self.max_model_len}")
+        return self.alloc_sequence()
+
+    def match_prefix(self, seq: SequenceState, prompt: Sequence[int]) -> int:
+        if seq.prefix_lookup_applied:
+            return seq.cached_prefix_tokens
+        seq.prefix_lookup_applied = True
+        if seq.collect_prompt_logprobs is not None or len(prompt) < 2:
+            return 0
+        blocks = self.pools[seq.rank].match_prefix(prompt, seq.adapter_id,
+                                                   max_tokens=len(prompt) - 1)
+        n = len(blocks) * self.block_size
+        seq.block_table.extend(blocks)
+        seq.tokens.extend(prompt[:n])
+        seq.seq_len = seq.kv_valid_tokens = n
+        seq.cached_prefix_tokens = seq.reused_prefix_tokens = n
+        seq.cached_prefix_blocks = len(blocks)
+        return n
+
+    def reserve_blocks(self, seq: SequenceState, num_tokens: int) -> bool:
+        """Grow ``seq``'s table from its own rank's pool, reclaiming that pool's cache first."""
+        need = -(-num_tokens // self.block_size) - len(seq.block_table)
+        if need <= 0:
+            return True
+        pool = self.pools[seq.rank]
+        if need > pool.num_free_blocks():
+            pool.reclaim_prefix_blocks(need - pool.num_free_blocks())
+            if need > pool.num_free_blocks():
+                return False
+        seq.block_table.extend(pool.allocate(need))
+        return True
+
+    def cache_sequence(self, seq: SequenceState) -> None:
+        self.pools[seq.rank].cache_blocks(seq.tokens, seq.block_table, seq.seq_len, seq.adapter_id)
+
+    def free_sequence(self, seq: SequenceState) -> None:
+        key = (seq.rank, seq.slot_idx)
+        self.pools[seq.rank].free(seq.block_table)
+        seq.block_table.clear()
+        seq.seq_len = 0
+        if seq.slot_idx < 0:
+            return
+        if key in self.rank0.mirror.slots:
+            self.pending_releases.add(key)
+        self.live.pop(key, None)
+        self.shipped_sampling.pop(key, None)
+        self.last_token.pop(key, None)
+        self.free_slots[seq.rank].append(seq.slot_idx)
+        seq.slot_idx = -1
+
+    def num_free_blocks(self, rank: int | None = None) -> int:
+        if rank is not None:
+            return self.pools[rank].num_free_blocks()
+        return sum(p.num_free_blocks() for p in self.pools)
+
+    def num_total_blocks(self, rank: int | None = None) -> int:
+        if rank is not None:
+            return self.pools[rank].num_total_blocks()
+        return sum(p.num_total_blocks() for p in self.pools)
+
+    def reclaim_prefix_blocks(self, num_blocks: int) -> int:
+        # ``reserve_blocks`` already reclaimed from the pool that was short; evicting other
+        # ranks' caches would not help that sequence.
+        return 0
+
+    def reclaim_prefix_blocks_for(self, prompt: Sequence[int], adapter_slot: int,
+                                  blocks_needed: int) -> PrefixReclaim:
+        rank = self._pick_rank(prompt)
+        self._next_rank = rank
+        return self.pools[rank].reclaim_prefix_blocks_for(prompt, 0, blocks_needed,
+                                                          max_tokens=max(len(prompt) - 1, 0))
+
+    # ------------------------------------------------------------------ the step
+
+    def mixed_forward_batch(self, decode_tokens: Sequence[int],
+                            decode_seqs: Sequence[SequenceState],
+                            prefill_slices: Sequence[PrefillSlice]) -> MixedBatchResult:
+        cmd = self.build_command(decode_tokens, decode_seqs, prefill_slices)
+        if self._fault is not None:
+            cmd, self._fault = self._fault(cmd, self.rank0.mirror), None
+        frame = encode(cmd)
+        try:
+            self.comm.broadcast_bytes(frame, src=0)
+        except Exception as exc:
+            raise RankFailure(f"broadcast of step {cmd.step_id} failed: {exc}") from exc
+        try:
+            mine = self.rank0.step(frame)
+        except EpCommandFailed:
+            raise
+        except Exception as exc:
+            raise RankFailure(f"step {cmd.step_id} failed on rank 0: {exc}") from exc
+        try:
+            frames = self.comm.gather_bytes(mine, dst=0)
+        except Exception as exc:
+            raise RankFailure(f"gathering step {cmd.step_id} failed: {exc}") from exc
+        self.pending_releases.difference_update((r.rank, r.slot) for r in cmd.releases)
+        self.shipped_sampling.update(self._shipment.shipped)
+        return self._assemble(decode_tokens, decode_seqs, prefill_slices, frames)
+
+    def build_command(self, decode_tokens: Sequence[int], decode_seqs: Sequence[SequenceState],
+                      prefill_slices: Sequence[PrefillSlice]) -> StepCommand:
+        """The next command: the scheduler's rows plus what the ranks do not know yet."""
+        ship = self._shipment = _Shipment(self)
+        decode = []
+        for tok, seq in zip(decode_tokens, decode_seqs):
+            key = ship.sequence(seq)
+            feed = FEED_DEVICE if self.last_token.get(key) == tok else tok
+            decode.append(DecodeRow(seq.rank, seq.slot_idx, feed, seq.output_index))
+        prefill = []
+        for sl in prefill_slices:
+            seq = sl.seq
+            ship.sequence(seq)
+            end = sl.chunk_start + sl.chunk_len
+            nxt = sl.prompt_tokens[end] if end < len(sl.prompt_tokens) else -1
+            prefill.append(PrefillRow(seq.rank, seq.slot_idx, sl.chunk_start,
+                                      tuple(sl.prompt_tokens[sl.chunk_start:end]),
+                                      sl.is_last_chunk, seq.output_index, nxt))
+        return StepCommand(
+            step_id=self.rank0.mirror.next_step,
+            releases=tuple(Release(r, s) for r, s in sorted(self.pending_releases)),
+            new_seqs=tuple(ship.new), sampling_updates=tuple(ship.sampling),
+            block_updates=tuple(ship.blocks), decode=tuple(decode), prefill=tuple(prefill))
+
+    def _assemble(self, decode_tokens: Sequence[int], decode_seqs: Sequence[SequenceState],
+                  prefill_slices: Sequence[PrefillSlice], frames: list[bytes]) -> MixedBatchResult:
+        results = [decode_result(f) for f in frames]
+        out_decode: list[SampledToken] = []
+        for tok, seq in zip(decode_tokens, decode_seqs):
+            got = results[seq.rank].sampled[seq.slot_idx]
+            seq.tokens.append(tok)
+            seq.seq_len += 1
+            seq.kv_valid_tokens = seq.seq_len
+            self.last_token[(seq.rank, seq.slot_idx)] = got.token_id
+            out_decode.append(got)
+        out_prefill: list[SampledToken | None] = []
+        for sl in prefill_slices:
+            seq, end = sl.seq, sl.chunk_start + sl.chunk_len
+            seq.tokens.extend(sl.prompt_tokens[sl.chunk_start:end])
+            seq.seq_len = seq.kv_valid_tokens = end
+            res = results[seq.rank]
+            seq.prompt_logprobs.extend(res.prompt_logprobs.get(seq.slot_idx, ()))
+            got = res.sampled.get(seq.slot_idx) if sl.is_last_chunk else None
+            if got is not None:
+                self.last_token[(seq.rank, seq.slot_idx)] = got.token_id
+            out_prefill.append(got)
+        return MixedBatchResult(decode=tuple(out_decode), prefill=tuple(out_prefill))
+
+    def shutdown_workers(self) -> None:
+        """Tell every worker to leave its loop (best effort)."""
+        cmd = StepCommand(step_id=self.rank0.mirror.next_step, kind=1)
+        try:
+            frame = encode(cmd)
+            self.comm.broadcast_bytes(frame, src=0)
+            self.rank0.step(frame)
+        except Exception as exc:
+            log.warning("shutdown broadcast failed: %s", exc)
+
+
+class _Shipment:
+    """Collects, for one command, what each named sequence needs the ranks to learn."""
+
+    def __init__(self, leader: EpLeaderRunner):
+        self.leader = leader
+        self.mirror = leader.rank0.mirror.slots
+        self.new: list[NewSeq] = []
+        self.sampling: list[SamplingUpdate] = []
+        self.blocks: list[BlockUpdate] = []
+        self.shipped: dict[tuple[int, int], Any] = {}  # committed once the command ran
+
+    def sequence(self, seq: SequenceState) -> tuple[int, int]:
+        leader = self.leader
+        key = (seq.rank, seq.slot_idx)
+        info = self.mirror.get(key)
+        if info is None or key in leader.pending_releases:
+            self.new.append(NewSeq(seq.rank, seq.slot_idx, seq.seq_len, max(seq.prompt_len, 1),
+                                   -1 if seq.collect_prompt_logprobs is None
+                                   else seq.collect_prompt_logprobs,
+                                   wire_sampling(seq.sampling)))
+            self.shipped[key] = seq.sampling
+            shipped = 0
+        else:
+            if leader.shipped_sampling.get(key) is not seq.sampling:
+                self.sampling.append(SamplingUpdate(seq.rank, seq.slot_idx,
+                                                    wire_sampling(seq.sampling)))
+                self.shipped[key] = seq.sampling
+            shipped = info.num_blocks
+        if len(seq.block_table) > shipped:
+            self.blocks.append(BlockUpdate(seq.rank, seq.slot_idx, shipped,
+                                           tuple(seq.block_table[shipped:])))
+        return key
