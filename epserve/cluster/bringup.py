@@ -51,8 +51,15 @@ def start_head(args: EngineArgs, name: str = HEAD_NAME, timeout_s: float = 600.0
 
     if strategy not in ("STRICT_PACK", "PACK", "SPREAD", "STRICT_SPREAD"):
         raise ValueError(f"placement strategy {strategy!r} is not a Ray strategy")
-    init_ray()
     args = args.resolved()
+    if args.ep_size > 1:
+        from epserve.models.config import ModelConfig
+        from epserve.models.parallel import ParallelInfo
+
+        # refused here, before Ray or any actor starts, with the loader's own message
+        experts = ModelConfig.from_pretrained(args.model).num_experts
+        ParallelInfo(0, args.ep_size).local_expert_range(experts)
+    init_ray()
     opts: dict[str, Any] = dict(name=name, namespace=NAMESPACE, get_if_exists=True,
                                 num_cpus=0, max_concurrency=10_000)
     if detached:

@@ -37,7 +37,7 @@ def mutator(kind: str) -> Callable[[StepCommand, EpMirror], StepCommand]:
         rank, slot = _first_key(cmd)
         if kind == "block_out_of_range":
             have = {(b.rank, b.slot): b.first + len(b.blocks) for b in cmd.block_updates}
-            first = have.get((rank, slot), mirror.slots[(rank, slot)].num_blocks
+            first = have.get((rank, slot), mirror.num_blocks_of((rank, slot))
                              if (rank, slot) in mirror.slots else 0)
             bad = BlockUpdate(rank, slot, first, (mirror.num_blocks + 7,))
             return dataclasses.replace(cmd, block_updates=cmd.block_updates + (bad,))

@@ -154,6 +154,12 @@ class HeadActor:
         """Each EP worker's logged ``EpCommandFailed`` records (rank 1 first)."""
         return self.group.failures() if self.group is not None else []
 
+    def worker_handles(self) -> list[Any]:
+        return list(self.group.workers) if self.group is not None else []
+
+    def capabilities(self) -> list[str]:
+        return sorted(self.runner.capabilities())
+
     def inject_command_fault(self, kind: str) -> None:
         """Corrupt the next step command (tests of the keep-going contract)."""
         from epserve.cluster.faults import mutator

@@ -1,66 +1,89 @@
 """The offline entry point, in the shape vLLM users know: ``LLM(...).generate / .chat``.
 
-Owns the assembly of one engine over its runner(s) and the tokenizer. Invariants: every
-request of a ``generate`` call is validated before any of them runs, so a bad one raises
-``ValueError`` (naming the prompt and field) and nothing is half-done; outputs come back in
-the order of the prompts.
+Owns the assembly of one engine over its runner(s) and the tokenizer (through
+``EngineArgs`` / ``build_engine``, the same path the server takes). Invariants: every option
+is checked before anything loads (``ValueError`` naming it; a checkpoint that cannot be
+served raises ``CheckpointError``); every request of a ``generate`` call is validated before
+any of them is queued, so a bad one raises ``ValueError`` (naming the prompt and field) and
+leaves no trace (the engine's seed stream included); outputs come back in the order of the
+prompts; a request that needs a capability the runner lacks raises ``CapabilityAbsent``.
 """
 
 from __future__ import annotations
 
-import json
+import dataclasses
 import logging
 import os
 from pathlib import Path
 from typing import Any, Iterator, Sequence
 
-from epserve.head.engine import Engine, EngineConfig
+from epserve.cluster.engine_args import EngineArgs, build_engine, load_tokenizer
+from epserve.cluster.remote_engine import RemoteEngine
+from epserve.head.async_engine import engine_snapshot
+from epserve.head.output_builder import build_output
 from epserve.head.outputs import RequestOutput
 from epserve.head.sampling_params import SamplingParams
-from epserve.head.scheduler import SchedulerConfig
-from epserve.worker.runner import Runner, RunnerConfig
+from epserve.head.sequence import Request
+from epserve.models.config import CheckpointError
+from epserve.models.traits import BeamReq, require_capability
 
 log = logging.getLogger(__name__)
 
 PromptType = str | dict[str, Any]
 
 
-class _NoTokenizer:
-    """Stands in where a checkpoint ships no tokenizer: token ids in, empty text out."""
+class _Capabilities:
+    """What ``require_capability`` reads, for an engine that runs elsewhere."""
 
-    eos_token_id = None
+    def __init__(self, caps: frozenset[str]):
+        self._caps = caps
 
-    def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str:
-        return ""
-
-
-def _load_tokenizer(path: str, tokenizer: str | None) -> Any:
-    src = tokenizer or path
-    files = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model")
-    if not any((Path(src) / f).exists() for f in files):
-        return None
-    from transformers import AutoTokenizer
-
-    return AutoTokenizer.from_pretrained(src)
+    def capabilities(self) -> frozenset[str]:
+        return self._caps
 
 
-def _eos_ids(path: str, config_eos: Sequence[int], tok: Any) -> frozenset[int]:
-    ids = set(config_eos)
-    gen = Path(path) / "generation_config.json"
-    if gen.exists():
-        eos = json.loads(gen.read_text()).get("eos_token_id")
-        ids.update(eos if isinstance(eos, list) else [eos] if isinstance(eos, int) else [])
-    if tok is not None and isinstance(getattr(tok, "eos_token_id", None), int):
-        ids.add(tok.eos_token_id)
-    return frozenset(ids)
+def _check_device(device: str) -> None:
+    """``ValueError`` naming ``device`` when torch cannot parse it or it is not present."""
+    if not isinstance(device, str):
+        raise ValueError(f"device must be a string such as 'auto', 'cpu' or 'cuda:0', "
+                         f"got {device!r}")
+    if device == "auto":
+        return
+    import torch
+
+    try:
+        dev = torch.device(device)
+    except RuntimeError:
+        raise ValueError(f"device={device!r} is not a device torch knows; use 'auto', 'cpu' "
+                         f"or 'cuda[:N]'") from None
+    if dev.type == "cuda":
+        count = torch.cuda.device_count() if torch.cuda.is_available() else 0
+        if count == 0:
+            raise ValueError(f"device={device!r}: CUDA is not available on this machine; "
+                             f"use device='cpu' or 'auto'")
+        if dev.index is not None and dev.index >= count:
+            raise ValueError(f"device={device!r}: this machine has {count} CUDA device(s)")
+    elif dev.type != "cpu":
+        raise ValueError(f"device={device!r}: only 'auto', 'cpu' and 'cuda[:N]' are supported")
+
+
+def _check_model_path(path: str) -> None:
+    p = Path(path)
+    if not p.exists():
+        raise CheckpointError(f"model {path}: no such folder (expected a Hugging Face checkpoint "
+                              f"folder with config.json and safetensors weights)")
+    if not p.is_dir():
+        raise CheckpointError(f"model {path}: not a folder (expected a Hugging Face checkpoint "
+                              f"folder with config.json and safetensors weights)")
 
 
 class LLM:
     """Generate text from a MoE checkpoint on this machine (CUDA when present, else CPU).
 
     ``model``: a Hugging Face folder (config.json + safetensors); ``None`` builds and uses the
-    built-in demo model (random weights: its text is random). ``ep_size`` > 1 runs experts
-    over several ranks on Ray.
+    built-in demo model (random weights: its text is random). ``ep_size`` > 1 runs the
+    experts over that many ranks on Ray (``RAY_ADDRESS``'s cluster, or a local one): the
+    engine then lives in a HeadActor and ``close()`` releases it.
     """
 
     def __init__(self, model: str | os.PathLike | None = None, *, tokenizer: str | None = None,
@@ -69,46 +92,99 @@ class LLM:
                  max_num_seqs: int = 256, max_num_batched_tokens: int = 2048,
                  long_prefill_token_threshold: int = 0, enable_prefix_caching: bool = True,
                  load_format: str = "auto", ep_size: int = 1):
-        if model is None:
-            from epserve.models.demo import demo_model_path
+        args = EngineArgs(
+            model=None if model is None else str(model), tokenizer=tokenizer, dtype=dtype,
+            device=device, max_model_len=max_model_len, block_size=block_size,
+            num_kv_blocks=num_kv_blocks, max_num_seqs=max_num_seqs,
+            max_num_batched_tokens=max_num_batched_tokens,
+            long_prefill_token_threshold=long_prefill_token_threshold,
+            enable_prefix_caching=enable_prefix_caching, load_format=load_format, seed=seed,
+            ep_size=ep_size)
+        if (isinstance(long_prefill_token_threshold, bool)
+                or not isinstance(long_prefill_token_threshold, int)
+                or long_prefill_token_threshold < 0):
+            raise ValueError(f"long_prefill_token_threshold must be an int >= 0 (0 = no cap), "
+                             f"got {long_prefill_token_threshold!r}")
+        if isinstance(seed, bool) or not isinstance(seed, int):
+            raise ValueError(f"seed must be an int, got {seed!r}")
+        _check_device(device)
+        if args.model is not None:
+            _check_model_path(args.model)
+        if tokenizer is not None and not any(
+                (Path(tokenizer) / f).is_file()
+                for f in ("tokenizer.json", "tokenizer_config.json", "tokenizer.model")):
+            raise ValueError(f"tokenizer={str(tokenizer)!r}: no tokenizer.json, "
+                             f"tokenizer_config.json or tokenizer.model in that folder")
+        args = args.resolved()
+        self.args = args
+        self.model_path = str(args.model)
+        self._remote: RemoteEngine | None = None
+        if ep_size > 1:
+            self._remote = RemoteEngine(args)
+            self.engine, self.runner = None, _Capabilities(self._remote.capabilities())
+            self.tokenizer = load_tokenizer(self.model_path, tokenizer)
+        else:
+            self.engine, self.runner, self.tokenizer = build_engine(args)
 
-            model = demo_model_path()
-        self.model_path = str(model)
-        if ep_size != 1:
-            raise ValueError(f"ep_size={ep_size}: expert parallelism over several ranks is not "
-                             f"available in this version; use ep_size=1")
-        self.runner = Runner(RunnerConfig(
-            model=self.model_path, dtype=dtype, device=device, max_model_len=max_model_len,
-            block_size=block_size, num_kv_blocks=num_kv_blocks, max_num_seqs=max_num_seqs,
-            enable_prefix_caching=enable_prefix_caching, load_format=load_format, seed=seed))
-        self.tokenizer = _load_tokenizer(self.model_path, tokenizer)
-        mc = self.runner.model_config
-        self.engine = Engine(self.runner, self.tokenizer or _NoTokenizer(), EngineConfig(
-            max_model_len=self.runner.max_model_len, vocab_size=mc.vocab_size,
-            eos_token_ids=_eos_ids(self.model_path, mc.eos_token_ids, self.tokenizer), seed=seed,
-            scheduler=SchedulerConfig(
-                max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
-                long_prefill_token_threshold=long_prefill_token_threshold,
-                enable_prefix_caching=enable_prefix_caching)))
+    # ------------------------------------------------------------------ the engine's state
+
+    def stats(self) -> dict[str, Any]:
+        """Counters and gauges (running, waiting, KV usage, tokens, preemptions, finished)."""
+        if self._remote is not None:
+            return self._remote.stats()
+        return dataclasses.asdict(engine_snapshot(self.engine, None))
+
+    def health(self) -> dict[str, Any]:
+        """``{"healthy": bool, "reason": str | None}``; over EP, false while a rank is dead."""
+        if self._remote is not None:
+            return self._remote.health()
+        return {"healthy": True, "reason": None}
+
+    def worker_failures(self) -> list[list[dict[str, Any]]]:
+        """Each EP worker rank's logged ``EpCommandFailed`` records (empty for ep_size=1)."""
+        return self._remote.worker_failures() if self._remote is not None else []
+
+    def worker_handles(self) -> list[Any]:
+        """The EP worker actors (ranks 1..N-1) on Ray (empty for ep_size=1)."""
+        return self._remote.worker_handles() if self._remote is not None else []
+
+    def inject_command_fault(self, kind: str) -> None:
+        """Corrupt the next EP step command (tests of the keep-going contract)."""
+        if self._remote is None:
+            raise ValueError("inject_command_fault needs ep_size > 1")
+        self._remote.inject_command_fault(kind)
+
+    def close(self) -> None:
+        """Release the EP ranks (ep_size > 1); a no-op otherwise. Safe to call twice."""
+        if self._remote is not None:
+            self._remote.close()
 
     def get_tokenizer(self) -> Any:
         return self.tokenizer
 
     # ------------------------------------------------------------------ prompts
 
+    def _encode(self, text: str, i: int, add_special_tokens: bool = True) -> list[int]:
+        if self.tokenizer is None:
+            raise ValueError(f"prompts[{i}]: this model folder ({self.model_path}) has no "
+                             f"tokenizer, so text cannot be encoded; pass "
+                             f"{{'prompt_token_ids': [...]}} instead of text, or "
+                             f"LLM(tokenizer=PATH)")
+        return list(self.tokenizer.encode(text, add_special_tokens=add_special_tokens))
+
     def _prompt_ids(self, prompt: PromptType, i: int) -> tuple[str | None, list[int]]:
         if isinstance(prompt, str):
-            if self.tokenizer is None:
-                raise ValueError(f"prompts[{i}]: this model folder has no tokenizer; pass "
-                                 f"{{'prompt_token_ids': [...]}} instead of text")
-            return prompt, list(self.tokenizer.encode(prompt, add_special_tokens=True))
+            return prompt, self._encode(prompt, i)
         if isinstance(prompt, dict) and "prompt_token_ids" in prompt:
             ids = prompt["prompt_token_ids"]
             if not isinstance(ids, (list, tuple)):
-                raise ValueError(f"prompts[{i}].prompt_token_ids must be a list of ints")
+                raise ValueError(f"prompts[{i}].prompt_token_ids must be a list of ints, "
+                                 f"got {type(ids).__name__}")
             return prompt.get("prompt"), list(ids)
-        raise ValueError(f"prompts[{i}]: expected a string or {{'prompt_token_ids': [...]}}, "
-                         f"got {type(prompt).__name__}")
+        if isinstance(prompt, dict) and isinstance(prompt.get("prompt"), str):
+            return prompt["prompt"], self._encode(prompt["prompt"], i)
+        raise ValueError(f"prompts[{i}]: expected a string, {{'prompt': str}} or "
+                         f"{{'prompt_token_ids': [...]}}, got {type(prompt).__name__}")
 
     def _params_list(self, n: int, params: SamplingParams | Sequence[SamplingParams] | None
                      ) -> list[SamplingParams]:
@@ -116,85 +192,161 @@ class LLM:
             return [SamplingParams()] * n
         if isinstance(params, SamplingParams):
             return [params] * n
+        if not isinstance(params, (list, tuple)):
+            raise ValueError(f"sampling_params must be a SamplingParams or a list of them, "
+                             f"got {type(params).__name__}")
         params = list(params)
         if len(params) != n:
             raise ValueError(f"sampling_params: {len(params)} given for {n} prompts")
+        for i, sp in enumerate(params):
+            if not isinstance(sp, SamplingParams):
+                raise ValueError(f"sampling_params[{i}] must be a SamplingParams, "
+                                 f"got {type(sp).__name__}")
         return params
 
     # ------------------------------------------------------------------ generate
 
     def generate(self, prompts: PromptType | Sequence[PromptType],
                  sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
-                 use_tqdm: bool = False) -> list[RequestOutput]:
+                 use_tqdm: bool = False, lora_request: Any = None) -> list[RequestOutput]:
         """One ``RequestOutput`` per prompt, in order; raises ``ValueError`` before running
-        anything when a prompt or parameter is invalid."""
+        anything when a prompt or parameter is invalid. ``lora_request`` needs the runner's
+        'adapters' capability (``CapabilityAbsent`` otherwise)."""
+        if lora_request is not None:
+            require_capability(self.runner, "adapters", "generate(lora_request=...)")
         if isinstance(prompts, (str, dict)):
             prompts = [prompts]
         prompts = list(prompts)
         params = self._params_list(len(prompts), sampling_params)
-        added = []
-        try:
-            for i, (p, sp) in enumerate(zip(prompts, params)):
-                text, ids = self._prompt_ids(p, i)
+        # Validate every prompt before queueing any: a refused call must leave no trace
+        # (queued requests, ids, the engine's draw of per-request seeds).
+        encoded = []
+        for i, p in enumerate(prompts):
+            text, ids = self._prompt_ids(p, i)
+            if self._remote is None:
                 try:
-                    added.append(self.engine.add_request(None, ids, sp, prompt=text).request_id)
+                    self.engine._check_prompt(ids)
                 except ValueError as exc:
                     raise ValueError(f"prompts[{i}]: {exc}") from None
-        except ValueError:
-            for rid in added:
-                self.engine.abort_request(rid)
+            encoded.append((text, ids))
+        if self._remote is not None:  # the head checks every request before running any
+            return self._remote.generate(encoded, params)
+        added: list[Request] = []
+        try:
+            for i, ((text, ids), sp) in enumerate(zip(encoded, params)):
+                try:
+                    added.append(self.engine.add_request(None, ids, sp, prompt=text))
+                except ValueError as exc:
+                    raise ValueError(f"prompts[{i}]: {exc}") from None
+        except BaseException:
+            for req in added:
+                self.engine.abort_request(req.request_id)
             raise
         return self._run(added, use_tqdm)
 
-    def _run(self, request_ids: list[str], use_tqdm: bool) -> list[RequestOutput]:
+    def _run(self, requests: list[Request], use_tqdm: bool) -> list[RequestOutput]:
         final: dict[str, RequestOutput] = {}
         bar = None
         if use_tqdm:
             from tqdm import tqdm
 
-            bar = tqdm(total=len(request_ids), desc="Processed prompts")
-        wanted = set(request_ids)
-        while len(final) < len(request_ids) and self.engine.has_unfinished():
-            for out in self.engine.step():
-                if out.finished and out.request_id in wanted:
-                    final[out.request_id] = out
-                    if bar is not None:
-                        bar.update(1)
-        if bar is not None:
-            bar.close()
-        return [final[r] for r in request_ids]
+            bar = tqdm(total=len(requests), desc="Processed prompts")
+        wanted = {r.request_id for r in requests}
+        try:
+            while len(final) < len(requests) and self.engine.has_unfinished():
+                for out in self.engine.step():
+                    if out.finished and out.request_id in wanted and out.request_id not in final:
+                        final[out.request_id] = out
+                        if bar is not None:
+                            bar.update(1)
+        except BaseException:
+            # An interrupted call (Ctrl-C, a crash) must not leave its requests queued.
+            for req in requests:
+                self.engine.abort_request(req.request_id)
+            raise
+        finally:
+            if bar is not None:
+                bar.close()
+        # A request finished outside this loop (aborted, or stepped by a suspended stream)
+        # reports its state as it ended.
+        return [final.get(r.request_id) or build_output(r, self.engine.tokenizer)
+                for r in requests]
 
     def stream(self, prompt: PromptType, sampling_params: SamplingParams | None = None
                ) -> Iterator[RequestOutput]:
-        """Yield the request's cumulative output after every step that changed it."""
+        """Yield the request's cumulative output after every step that changed it; the last
+        one is finished. Closing the iterator early aborts the request."""
+        if sampling_params is not None and not isinstance(sampling_params, SamplingParams):
+            raise ValueError(f"sampling_params must be a SamplingParams, "
+                             f"got {type(sampling_params).__name__}")
         text, ids = self._prompt_ids(prompt, 0)
-        rid = self.engine.add_request(None, ids, sampling_params or SamplingParams(),
-                                      prompt=text).request_id
+        if self._remote is not None:
+            return self._remote.stream(text, ids, sampling_params or SamplingParams())
         try:
-            while True:
-                for out in self.engine.step():
+            self.engine._check_prompt(ids)
+        except ValueError as exc:
+            raise ValueError(f"prompts[0]: {exc}") from None
+        return self._stream(text, ids, sampling_params or SamplingParams())
+
+    def _stream(self, text: str | None, ids: list[int], params: SamplingParams
+                ) -> Iterator[RequestOutput]:
+        # Queued on the first next(), so an iterator that is never started leaves nothing.
+        req = self.engine.add_request(None, ids, params, prompt=text)
+        rid = req.request_id
+        try:
+            while not req.finished:
+                outs = self.engine.step()
+                for out in outs:
                     if out.request_id == rid:
                         yield out
                         if out.finished:
                             return
+                if req.finished:
+                    # Finished by someone else's step (a generate() call while this stream
+                    # was suspended) or aborted: report the end instead of waiting for it.
+                    yield build_output(req, self.engine.tokenizer)
+                    return
         finally:
             self.engine.abort_request(rid)
 
     def chat(self, messages: list[dict[str, Any]] | list[list[dict[str, Any]]],
              sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
              use_tqdm: bool = False, add_generation_prompt: bool = True,
-             chat_template: str | None = None) -> list[RequestOutput]:
+             chat_template: str | None = None, lora_request: Any = None) -> list[RequestOutput]:
         """Render each conversation with the checkpoint's chat template and generate."""
+        if lora_request is not None:
+            require_capability(self.runner, "adapters", "chat(lora_request=...)")
+        convs = messages if messages and isinstance(messages[0], list) else [messages]
+        prompts = [self.chat_prompt(conv, add_generation_prompt, chat_template) for conv in convs]
+        return self.generate(prompts, sampling_params, use_tqdm, lora_request=lora_request)
+
+    def chat_prompt(self, conversation: list[dict[str, Any]], add_generation_prompt: bool = True,
+                    chat_template: str | None = None) -> dict[str, Any]:
+        """The ``{'prompt', 'prompt_token_ids'}`` prompt of one conversation: the chat template
+        rendered, then encoded without adding special tokens again (the template has them)."""
         if self.tokenizer is None or not (chat_template or
                                           getattr(self.tokenizer, "chat_template", None)):
             raise ValueError("chat: this model has no chat template; use generate() or pass "
                              "chat_template=")
-        convs = messages if messages and isinstance(messages[0], list) else [messages]
-        prompts = []
-        for conv in convs:
-            text = self.tokenizer.apply_chat_template(
-                conv, tokenize=False, add_generation_prompt=add_generation_prompt,
-                chat_template=chat_template)
-            prompts.append({"prompt": text, "prompt_token_ids": list(
-                self.tokenizer.encode(text, add_special_tokens=False))})
-        return self.generate(prompts, sampling_params, use_tqdm)
+        text = self.tokenizer.apply_chat_template(
+            conversation, tokenize=False, add_generation_prompt=add_generation_prompt,
+            chat_template=chat_template)
+        return {"prompt": text,
+                "prompt_token_ids": list(self.tokenizer.encode(text, add_special_tokens=False))}
+
+    # ------------------------------------------------------------------ capabilities
+
+    def beam_search(self, prompts: PromptType | Sequence[PromptType], params: Any) -> list[list[int]]:
+        """Beam search (vLLM's ``LLM.beam_search``): needs the runner's 'beam' capability;
+        ``CapabilityAbsent`` (a ``NotImplementedError``) when it lacks it, as every runner of
+        this version does. ``params``: ``beam_width``, ``max_tokens``, ``length_penalty``."""
+        require_capability(self.runner, "beam", "beam_search")
+        if isinstance(prompts, (str, dict)):
+            prompts = [prompts]
+        reqs = []
+        for i, p in enumerate(prompts):
+            _, ids = self._prompt_ids(p, i)
+            reqs.append(BeamReq(tokens=tuple(ids), max_new_tokens=int(params.max_tokens),
+                                num_beams=int(getattr(params, "beam_width", 4)),
+                                length_penalty=float(getattr(params, "length_penalty", 1.0))))
+        return self.runner.generate_beam_batch(reqs)

@@ -15,6 +15,8 @@ def _engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", default=None,
                    help="Hugging Face checkpoint folder (default: the built-in demo model, "
                         "random weights)")
+    p.add_argument("--tokenizer", default=None,
+                   help="tokenizer folder (default: the model folder's own tokenizer)")
     p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
     p.add_argument("--device", default="auto", help="auto (CUDA when present), cpu, cuda:N")
     p.add_argument("--max-model-len", type=int, default=None)
@@ -48,14 +50,20 @@ def _parser() -> argparse.ArgumentParser:
     _engine_args(s)
     s.add_argument("--host", default="127.0.0.1")
     s.add_argument("--port", type=int, default=8000)
-    s.add_argument("--api-key", default=None)
+    s.add_argument("--api-key", default=None,
+                   help="require 'Authorization: Bearer KEY' on /v1/* (default: "
+                        "$EPSERVE_API_KEY; unset: no auth)")
+    s.add_argument("--served-model-name", default=None,
+                   help="the model name clients send (default: --model, or epserve-demo)")
+    s.add_argument("--max-body-bytes", type=int, default=1 << 20,
+                   help="largest request body accepted; larger ones get 413")
     return ap
 
 
 def _llm(args: argparse.Namespace):
     from epserve import LLM
 
-    return LLM(model=args.model, dtype=args.dtype, device=args.device,
+    return LLM(model=args.model, tokenizer=args.tokenizer, dtype=args.dtype, device=args.device,
                max_model_len=args.max_model_len, max_num_seqs=args.max_num_seqs,
                max_num_batched_tokens=args.max_num_batched_tokens,
                num_kv_blocks=args.num_kv_blocks, block_size=args.block_size,
@@ -70,13 +78,16 @@ def _generate(args: argparse.Namespace) -> int:
                             top_p=args.top_p, top_k=args.top_k, min_p=args.min_p,
                             seed=args.sample_seed, stop=args.stop, ignore_eos=args.ignore_eos)
     llm = _llm(args)
+    tok = llm.get_tokenizer()
+    if tok is None:
+        raise ValueError(f"{llm.model_path} has no tokenizer, so a text prompt cannot be "
+                         f"encoded; pass --tokenizer PATH (a folder with tokenizer.json)")
     prompt = args.prompt
     if args.chat:
-        tok = llm.get_tokenizer()
-        if tok is None or not getattr(tok, "chat_template", None):
+        if not getattr(tok, "chat_template", None):
             raise ValueError("--chat: this model has no chat template")
-        prompt = tok.apply_chat_template([{"role": "user", "content": prompt}], tokenize=False,
-                                         add_generation_prompt=True)
+        # The same prompt as LLM.chat: the template's text, its special tokens not added twice.
+        prompt = llm.chat_prompt([{"role": "user", "content": prompt}])
     shown = 0
     out = None
     for out in llm.stream(prompt, params):
@@ -101,7 +112,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         if args.command == "generate":
             return _generate(args)
         return _serve(args)
-    except (ValueError, FileNotFoundError) as exc:
+    except (ValueError, FileNotFoundError, NotImplementedError) as exc:
         print(f"epserve: error: {exc}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:

@@ -143,17 +143,20 @@ class AsyncEngine:
 
     def snapshot(self) -> EngineSnapshot:
         with self._lock:
-            eng = self.engine
-            sched = eng.scheduler
-            model = eng.model
-            total = model.num_total_blocks() or 1
-            return EngineSnapshot(
-                healthy=self._dead is None, reason=self._dead,
-                num_running=len(sched.running), num_waiting=len(sched.waiting),
-                kv_usage=1.0 - model.num_free_blocks() / total,
-                prompt_tokens=eng.stats.prompt_tokens,
-                generation_tokens=eng.stats.generation_tokens,
-                num_preemptions=sched.num_preemptions, finished=dict(eng.stats.finished))
+            return engine_snapshot(self.engine, self._dead)
+
+
+def engine_snapshot(eng: Engine, dead: str | None) -> EngineSnapshot:
+    """The engine's counters now (call with the engine idle or its lock held)."""
+    sched = eng.scheduler
+    model = eng.model
+    total = model.num_total_blocks() or 1
+    return EngineSnapshot(
+        healthy=dead is None, reason=dead,
+        num_running=len(sched.running), num_waiting=len(sched.waiting),
+        kv_usage=1.0 - model.num_free_blocks() / total,
+        prompt_tokens=eng.stats.prompt_tokens, generation_tokens=eng.stats.generation_tokens,
+        num_preemptions=sched.num_preemptions, finished=dict(eng.stats.finished))
 
 
 def _error_output(request_id: str, reason: str) -> RequestOutput:

@@ -117,6 +117,8 @@ class Engine:
             if not seq.finished:
                 self.scheduler.finish(seq)
                 seq.finish_reason = "abort"
+            key = seq.finish_reason or "abort"
+            self.stats.finished[key] = self.stats.finished.get(key, 0) + 1
 
     def has_unfinished(self) -> bool:
         return self.scheduler.has_unfinished()

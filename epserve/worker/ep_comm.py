@@ -20,6 +20,8 @@ MAX_CONTROL_BYTES = 64 * 2**20
 # A broadcast's first frame carries the size header and up to this many payload bytes, so a
 # typical step command (a few KiB) costs one collective instead of two.
 INLINE_BYTES = 8192
+# torch 2.13 renamed all_gather_into_tensor (deprecated there) to all_gather_single.
+_all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 
 
 @dataclass(frozen=True)
@@ -58,7 +60,7 @@ def _check_inputs(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.T
                          f"topk_weights {tuple(topk_weights.shape)} must be [T, H], [T, K], [T, K]")
     if topk_ids.dtype != torch.int64:
         raise ValueError(f"dispatch: topk_ids must be int64, got {topk_ids.dtype}")
-    if topk_ids.numel() and not (0 <= int(topk_ids.min()) and int(topk_ids.max()) < num_experts):
+    if bool(((topk_ids < 0) | (topk_ids >= num_experts)).any()):  # one host sync
         raise ValueError(f"dispatch: expert ids must lie in [0, {num_experts})")
 
 
@@ -174,8 +176,8 @@ class EpComm:
         Sizes first (all_gather, so every rank sees them), then payloads padded to the largest.
         If any size exceeds ``max_bytes`` every rank raises ValueError before the payloads."""
         sizes = torch.empty(self.world_size, dtype=torch.int64)
-        dist.all_gather_into_tensor(sizes, torch.tensor([len(data)], dtype=torch.int64),
-                                    group=self.cpu_group)
+        _all_gather_single(sizes, torch.tensor([len(data)], dtype=torch.int64),
+                           group=self.cpu_group)
         sizes_l = sizes.tolist()
         if max(sizes_l) > max_bytes:
             raise ValueError(f"gather_bytes: sizes {sizes_l} exceed max {max_bytes}")

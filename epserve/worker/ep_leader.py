@@ -21,7 +21,7 @@ from epserve.worker.ep_rank import EpRank, wire_sampling
 from epserve.worker.ep_results import decode_result
 from epserve.worker.kv_pool import KVPool
 from epserve.worker.protocol import (
-    FEED_DEVICE, BlockUpdate, DecodeRow, NewSeq, PrefillRow, Release, SamplingUpdate,
+    FEED_DEVICE, BlockUpdate, DecodeRows, NewSeq, PrefillRow, Release, SamplingUpdate,
     StepCommand, encode,
 )
 
@@ -46,6 +46,7 @@ class EpLeaderRunner:
         self.live: dict[tuple[int, int], SequenceState] = {}
         self.pending_releases: set[tuple[int, int]] = set()
         self.shipped_sampling: dict[tuple[int, int], Any] = {}
+        self.shipped_blocks: dict[tuple[int, int], int] = {}
         self.last_token: dict[tuple[int, int], int] = {}
         self._next_rank: int | None = None
         self._fault: Callable[[StepCommand, Any], StepCommand] | None = None
@@ -156,10 +157,11 @@ class EpLeaderRunner:
         seq.seq_len = 0
         if seq.slot_idx < 0:
             return
-        if key in self.rank0.mirror.slots:
+        if key in self.rank0.mirror.slots:  # the ranks know it: they must drop it
             self.pending_releases.add(key)
         self.live.pop(key, None)
         self.shipped_sampling.pop(key, None)
+        self.shipped_blocks.pop(key, None)
         self.last_token.pop(key, None)
         self.free_slots[seq.rank].append(seq.slot_idx)
         seq.slot_idx = -1
@@ -202,6 +204,8 @@ class EpLeaderRunner:
         try:
             mine = self.rank0.step(frame)
         except EpCommandFailed:
+            if self.rank0.last_applied == cmd.step_id:  # applied, then the ranks disagreed
+                self._commit(cmd)
             raise
         except Exception as exc:
             raise RankFailure(f"step {cmd.step_id} failed on rank 0: {exc}") from exc
@@ -209,19 +213,26 @@ class EpLeaderRunner:
             frames = self.comm.gather_bytes(mine, dst=0)
         except Exception as exc:
             raise RankFailure(f"gathering step {cmd.step_id} failed: {exc}") from exc
-        self.pending_releases.difference_update((r.rank, r.slot) for r in cmd.releases)
-        self.shipped_sampling.update(self._shipment.shipped)
+        self._commit(cmd)
         return self._assemble(decode_tokens, decode_seqs, prefill_slices, frames)
+
+    def _commit(self, cmd: StepCommand) -> None:
+        """Every rank applied ``cmd``: what it shipped is now known everywhere."""
+        self.pending_releases.difference_update((r.rank, r.slot) for r in cmd.releases)
+        self._shipment.commit()
 
     def build_command(self, decode_tokens: Sequence[int], decode_seqs: Sequence[SequenceState],
                       prefill_slices: Sequence[PrefillSlice]) -> StepCommand:
         """The next command: the scheduler's rows plus what the ranks do not know yet."""
         ship = self._shipment = _Shipment(self)
-        decode = []
+        ranks, slots, feeds, oidx = [], [], [], []
+        last = self.last_token
         for tok, seq in zip(decode_tokens, decode_seqs):
             key = ship.sequence(seq)
-            feed = FEED_DEVICE if self.last_token.get(key) == tok else tok
-            decode.append(DecodeRow(seq.rank, seq.slot_idx, feed, seq.output_index))
+            ranks.append(key[0])
+            slots.append(key[1])
+            feeds.append(FEED_DEVICE if last.get(key) == tok else tok)
+            oidx.append(seq.output_index)
         prefill = []
         for sl in prefill_slices:
             seq = sl.seq
@@ -235,7 +246,8 @@ class EpLeaderRunner:
             step_id=self.rank0.mirror.next_step,
             releases=tuple(Release(r, s) for r, s in sorted(self.pending_releases)),
             new_seqs=tuple(ship.new), sampling_updates=tuple(ship.sampling),
-            block_updates=tuple(ship.blocks), decode=tuple(decode), prefill=tuple(prefill))
+            block_updates=tuple(ship.blocks), decode=DecodeRows.of(ranks, slots, feeds, oidx),
+            prefill=tuple(prefill))
 
     def _assemble(self, decode_tokens: Sequence[int], decode_seqs: Sequence[SequenceState],
                   prefill_slices: Sequence[PrefillSlice], frames: list[bytes]) -> MixedBatchResult:
@@ -273,34 +285,40 @@ class EpLeaderRunner:
 
 
 class _Shipment:
-    """Collects, for one command, what each named sequence needs the ranks to learn."""
+    """Collects, for one command, what each named sequence needs the ranks to learn. The
+    leader's view of what the ranks know (``shipped_*``) changes only once the command ran."""
 
     def __init__(self, leader: EpLeaderRunner):
         self.leader = leader
-        self.mirror = leader.rank0.mirror.slots
         self.new: list[NewSeq] = []
         self.sampling: list[SamplingUpdate] = []
         self.blocks: list[BlockUpdate] = []
-        self.shipped: dict[tuple[int, int], Any] = {}  # committed once the command ran
+        self.sampling_sent: dict[tuple[int, int], Any] = {}
+        self.blocks_sent: dict[tuple[int, int], int] = {}
 
     def sequence(self, seq: SequenceState) -> tuple[int, int]:
         leader = self.leader
         key = (seq.rank, seq.slot_idx)
-        info = self.mirror.get(key)
-        if info is None or key in leader.pending_releases:
+        shipped = leader.shipped_blocks.get(key)
+        if shipped is None or key in leader.pending_releases:
             self.new.append(NewSeq(seq.rank, seq.slot_idx, seq.seq_len, max(seq.prompt_len, 1),
                                    -1 if seq.collect_prompt_logprobs is None
                                    else seq.collect_prompt_logprobs,
                                    wire_sampling(seq.sampling)))
-            self.shipped[key] = seq.sampling
+            self.sampling_sent[key] = seq.sampling
             shipped = 0
-        else:
-            if leader.shipped_sampling.get(key) is not seq.sampling:
-                self.sampling.append(SamplingUpdate(seq.rank, seq.slot_idx,
-                                                    wire_sampling(seq.sampling)))
-                self.shipped[key] = seq.sampling
-            shipped = info.num_blocks
-        if len(seq.block_table) > shipped:
-            self.blocks.append(BlockUpdate(seq.rank, seq.slot_idx, shipped,
-                                           tuple(seq.block_table[shipped:])))
+        elif leader.shipped_sampling.get(key) is not seq.sampling:
+            self.sampling.append(SamplingUpdate(seq.rank, seq.slot_idx,
+                                                wire_sampling(seq.sampling)))
+            self.sampling_sent[key] = seq.sampling
+        n = len(seq.block_table)
+        if n > shipped or shipped == 0:
+            if n > shipped:
+                self.blocks.append(BlockUpdate(seq.rank, seq.slot_idx, shipped,
+                                               tuple(seq.block_table[shipped:])))
+            self.blocks_sent[key] = n
         return key
+
+    def commit(self) -> None:
+        self.leader.shipped_sampling.update(self.sampling_sent)
+        self.leader.shipped_blocks.update(self.blocks_sent)

@@ -52,6 +52,7 @@ class EpRank:
         self.local: dict[int, SequenceState] = {}
         self.last_token: dict[int, int] = {}
         self.failures: list[EpCommandFailed] = []
+        self.last_applied = -1
 
     # ------------------------------------------------------------------ one step
 
@@ -63,6 +64,7 @@ class EpRank:
         if cmd.kind == KIND_SHUTDOWN:
             return None
         self.mirror.apply(cmd)
+        self.last_applied = cmd.step_id
         self._apply_local(cmd)
         err = None
         try:
@@ -101,12 +103,14 @@ class EpRank:
     def _prepare(self, cmd: StepCommand) -> tuple[StepInputs | None, dict[int, int]]:
         me = self.rank
         dseqs, dtoks = [], []
-        for d in cmd.decode:
-            if d.rank == me:
-                seq = self.local[d.slot]
-                seq.output_index = d.output_index
-                dseqs.append(seq)
-                dtoks.append(self.last_token[d.slot] if d.feed == FEED_DEVICE else d.feed)
+        rank, slot, feed, oidx = cmd.decode.cols
+        mine = (rank == me).nonzero()[0]
+        local, last = self.local, self.last_token
+        for s, f, o in zip(slot[mine].tolist(), feed[mine].tolist(), oidx[mine].tolist()):
+            seq = local[s]
+            seq.output_index = o
+            dseqs.append(seq)
+            dtoks.append(last[s] if f == FEED_DEVICE else f)
         rows, plp_before = [], {}
         for p in cmd.prefill:
             if p.rank == me:

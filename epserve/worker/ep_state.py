@@ -12,6 +12,8 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
+import numpy as np
+
 from epserve.models.traits import EpCommandFailed
 from epserve.worker.protocol import (
     FEED_DEVICE, KIND_SHUTDOWN, KIND_STEP, NewSeq, Sampling, StepCommand,
@@ -22,10 +24,9 @@ MAX_LOGPROBS = 20
 
 @dataclass(slots=True)
 class SlotInfo:
-    """What every rank knows of one live sequence."""
+    """What every rank knows of one live sequence (its KV length and block count live in the
+    mirror's arrays, where a step's decode rows are checked and advanced in one go)."""
 
-    seq_len: int
-    num_blocks: int
     prompt_len: int
     prompt_logprobs: int
     sampling: Sampling
@@ -43,7 +44,13 @@ class EpMirror:
         self.max_blocks_per_seq = max_blocks_per_seq
         self.vocab_size = vocab_size
         self.slots: dict[tuple[int, int], SlotInfo] = {}
+        self.live = np.zeros((world_size, max_slots), dtype=bool)
+        self.seq_len = np.zeros((world_size, max_slots), dtype=np.int64)
+        self.nblocks = np.zeros((world_size, max_slots), dtype=np.int64)
         self.next_step = 0
+
+    def num_blocks_of(self, key: tuple[int, int]) -> int:
+        return int(self.nblocks[key])
 
     # ------------------------------------------------------------------ validate
 
@@ -56,15 +63,15 @@ class EpMirror:
             fail(f"step id {cmd.step_id}, expected {expected}")
         if cmd.kind not in (KIND_STEP, KIND_SHUTDOWN):
             fail(f"unknown command kind {cmd.kind}")
-        live = set(self.slots)
+        live = self.live.copy()
         for r in cmd.releases:
             key = self._key(r.rank, r.slot, fail, "release")
-            if key not in live:
+            if not live[key]:
                 fail(f"release of unknown sequence {key}")
-            live.discard(key)
+            live[key] = False
         for n in cmd.new_seqs:
             self._check_new(n, live, fail)
-            live.add((n.rank, n.slot))
+            live[n.rank, n.slot] = True
         for u in cmd.sampling_updates:
             self._live(u.rank, u.slot, live, fail, "sampling update")
             self._check_sampling(u.sampling, fail)
@@ -78,15 +85,16 @@ class EpMirror:
             fail(f"{what}: slot {slot} out of range [0, {self.max_slots})")
         return rank, slot
 
-    def _live(self, rank: int, slot: int, live: set, fail: "_Failer", what: str) -> tuple[int, int]:
+    def _live(self, rank: int, slot: int, live: np.ndarray, fail: "_Failer",
+              what: str) -> tuple[int, int]:
         key = self._key(rank, slot, fail, what)
-        if key not in live:
+        if not live[key]:
             fail(f"{what}: unknown sequence {key}")
         return key
 
-    def _check_new(self, n: NewSeq, live: set, fail: "_Failer") -> None:
+    def _check_new(self, n: NewSeq, live: np.ndarray, fail: "_Failer") -> None:
         key = self._key(n.rank, n.slot, fail, "new sequence")
-        if key in live:
+        if live[key]:
             fail(f"new sequence {key} is already live")
         if n.seq_len < 0 or n.prompt_len < 1:
             fail(f"new sequence {key}: seq_len {n.seq_len}, prompt_len {n.prompt_len}")
@@ -110,10 +118,10 @@ class EpMirror:
         if any(not 0 <= t < self.vocab_size for t in s.banned):
             fail("sampling: banned token outside the vocab")
 
-    def _check_blocks(self, cmd: StepCommand, live: set, fail: "_Failer") -> dict:
-        counts = {k: v.num_blocks for k, v in self.slots.items()}
+    def _check_blocks(self, cmd: StepCommand, live: np.ndarray, fail: "_Failer") -> np.ndarray:
+        counts = self.nblocks.copy()
         for n in cmd.new_seqs:
-            counts[(n.rank, n.slot)] = 0
+            counts[n.rank, n.slot] = 0
         for b in cmd.block_updates:
             key = self._live(b.rank, b.slot, live, fail, "block update")
             if b.first != counts[key]:
@@ -126,25 +134,20 @@ class EpMirror:
             counts[key] = b.first + len(b.blocks)
         return counts
 
-    def _check_rows(self, cmd: StepCommand, live: set, blocks: dict, fail: "_Failer") -> None:
-        seen: set = set()
-        lens = {k: v.seq_len for k, v in self.slots.items()}
-        lens.update({(n.rank, n.slot): n.seq_len for n in cmd.new_seqs})
+    def _check_rows(self, cmd: StepCommand, live: np.ndarray, blocks: np.ndarray,
+                    fail: "_Failer") -> None:
+        lens = self.seq_len.copy()
+        for n in cmd.new_seqs:
+            lens[n.rank, n.slot] = n.seq_len
+        keys = self._check_decode(cmd, live, blocks, lens, fail)
+        seen = set(keys.tolist())
         bs, vocab = self.block_size, self.vocab_size
-        for d in cmd.decode:
-            key = self._live(d.rank, d.slot, live, fail, "decode row")
-            if key in seen:
-                fail(f"decode row: sequence {key} appears twice")
-            seen.add(key)
-            if d.feed != FEED_DEVICE and not 0 <= d.feed < vocab:
-                fail(f"decode row {key}: token {d.feed} outside the vocab")
-            if lens[key] >= blocks[key] * bs or d.output_index < 0:
-                fail(f"decode row {key}: no KV block for position {lens[key]}")
         for p in cmd.prefill:
             key = self._live(p.rank, p.slot, live, fail, "prefill row")
-            if key in seen:
+            flat = p.rank * self.max_slots + p.slot
+            if flat in seen:
                 fail(f"prefill row: sequence {key} appears twice")
-            seen.add(key)
+            seen.add(flat)
             if p.start != lens[key] or not p.tokens or p.output_index < 0:
                 fail(f"prefill row {key}: chunk at {p.start} of {len(p.tokens)} tokens, the "
                      f"sequence has KV for {lens[key]}")
@@ -153,23 +156,56 @@ class EpMirror:
             if any(not 0 <= t < vocab for t in p.tokens) or not -1 <= p.next_token < vocab:
                 fail(f"prefill row {key}: token outside the vocab")
 
+    def _check_decode(self, cmd: StepCommand, live: np.ndarray, blocks: np.ndarray, lens: np.ndarray,
+                      fail: "_Failer") -> np.ndarray:
+        """All decode rows at once; returns their flat slot keys."""
+        rank, slot, feed, oidx = cmd.decode.cols
+        if not len(rank):
+            return rank
+        bad = (rank < 0) | (rank >= self.world_size) | (slot < 0) | (slot >= self.max_slots)
+        if bad.any():
+            i = int(bad.argmax())
+            fail(f"decode row {i}: rank {rank[i]} / slot {slot[i]} out of range")
+        keys = rank * self.max_slots + slot
+        dead = ~live.ravel()[keys]
+        if dead.any():
+            i = int(dead.argmax())
+            fail(f"decode row {i}: unknown sequence ({rank[i]}, {slot[i]})")
+        seen = np.zeros(live.size, dtype=bool)
+        seen[keys] = True
+        if int(seen.sum()) != keys.size:
+            fail("decode row: a sequence appears twice")
+        if (((feed != FEED_DEVICE) & ((feed < 0) | (feed >= self.vocab_size)))).any():
+            fail("decode row: token outside the vocab")
+        ln = lens.ravel()[keys]
+        nok = (ln >= blocks.ravel()[keys] * self.block_size) | (oidx < 0)
+        if nok.any():
+            i = int(nok.argmax())
+            fail(f"decode row {i}: no KV block for position {ln[i]} of ({rank[i]}, {slot[i]})")
+        return keys
+
     # ------------------------------------------------------------------ apply
 
     def apply(self, cmd: StepCommand) -> None:
         """Record a validated command's effects (identically on every rank)."""
         for r in cmd.releases:
             del self.slots[(r.rank, r.slot)]
+            self.seq_len[r.rank, r.slot] = self.nblocks[r.rank, r.slot] = 0
+            self.live[r.rank, r.slot] = False
         for n in cmd.new_seqs:
-            self.slots[(n.rank, n.slot)] = SlotInfo(n.seq_len, 0, n.prompt_len,
-                                                    n.prompt_logprobs, n.sampling)
+            self.slots[(n.rank, n.slot)] = SlotInfo(n.prompt_len, n.prompt_logprobs, n.sampling)
+            self.seq_len[n.rank, n.slot] = n.seq_len
+            self.nblocks[n.rank, n.slot] = 0
+            self.live[n.rank, n.slot] = True
         for u in cmd.sampling_updates:
             self.slots[(u.rank, u.slot)].sampling = u.sampling
         for b in cmd.block_updates:
-            self.slots[(b.rank, b.slot)].num_blocks = b.first + len(b.blocks)
-        for d in cmd.decode:
-            self.slots[(d.rank, d.slot)].seq_len += 1
+            self.nblocks[b.rank, b.slot] = b.first + len(b.blocks)
+        rank, slot = cmd.decode.cols[0], cmd.decode.cols[1]
+        if len(rank):
+            self.seq_len.ravel()[rank * self.max_slots + slot] += 1
         for p in cmd.prefill:
-            self.slots[(p.rank, p.slot)].seq_len = p.start + len(p.tokens)
+            self.seq_len[p.rank, p.slot] = p.start + len(p.tokens)
 
 
 class _Failer:

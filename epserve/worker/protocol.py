@@ -14,10 +14,11 @@ step), new block-table entries, sampling updates, releases.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import Any
+from dataclasses import dataclass, field
+from typing import Any, Sequence
 
 import msgpack
+import numpy as np
 
 PROTOCOL_VERSION = 1
 MAX_FRAME_BYTES = 64 * 2**20
@@ -92,6 +93,63 @@ class DecodeRow:
     output_index: int
 
 
+class DecodeRows:
+    """The decode rows as four int32 columns (rank, slot, feed, output_index): 256 rows are one
+    4 KiB blob on the wire and numpy arrays on arrival, not 256 objects to build and check."""
+
+    __slots__ = ("cols",)
+
+    def __init__(self, cols: "np.ndarray | None" = None):
+        c = np.zeros((4, 0), dtype=np.int64) if cols is None else np.asarray(cols, np.int64)
+        if c.ndim != 2 or c.shape[0] != 4:
+            raise ProtocolError(f"decode rows: expected 4 columns, got shape {c.shape}")
+        self.cols = c
+
+    @classmethod
+    def of(cls, rank: Sequence[int], slot: Sequence[int], feed: Sequence[int],
+           output_index: Sequence[int]) -> "DecodeRows":
+        try:
+            cols = np.array([rank, slot, feed, output_index], dtype=np.int64).reshape(4, -1)
+        except (OverflowError, ValueError, TypeError) as exc:
+            raise ProtocolError(f"decode rows: {exc}") from None
+        if cols.size and (cols.min() < -(2**31) or cols.max() >= 2**31):
+            raise ProtocolError("decode rows: a value does not fit in int32")
+        return cls(cols)
+
+    @classmethod
+    def from_rows(cls, rows: Sequence[DecodeRow]) -> "DecodeRows":
+        return cls.of([r.rank for r in rows], [r.slot for r in rows], [r.feed for r in rows],
+                      [r.output_index for r in rows])
+
+    def __len__(self) -> int:
+        return self.cols.shape[1]
+
+    def __iter__(self):
+        for r, s, f, o in self.cols.T.tolist():
+            yield DecodeRow(r, s, f, o)
+
+    def __add__(self, other: "tuple[DecodeRow, ...] | DecodeRows") -> "DecodeRows":
+        extra = other if isinstance(other, DecodeRows) else DecodeRows.from_rows(other)
+        return DecodeRows(np.concatenate([self.cols, extra.cols], axis=1))
+
+    def __eq__(self, other: object) -> bool:
+        if isinstance(other, tuple):
+            other = DecodeRows.from_rows(other)
+        return isinstance(other, DecodeRows) and np.array_equal(self.cols, other.cols)
+
+    def __repr__(self) -> str:
+        return f"DecodeRows({list(self)!r})"
+
+    def to_bytes(self) -> bytes:
+        return self.cols.astype("<i4").tobytes()
+
+    @classmethod
+    def from_bytes(cls, blob: bytes) -> "DecodeRows":
+        if len(blob) % 16:
+            raise ProtocolError(f"decode rows: {len(blob)} bytes is not a whole number of rows")
+        return cls(np.frombuffer(blob, dtype="<i4").astype(np.int64).reshape(4, -1))
+
+
 @dataclass(frozen=True, slots=True)
 class PrefillRow:
     """Chunk ``tokens`` at positions ``start..``; ``sample`` on a prompt's last chunk;
@@ -117,8 +175,15 @@ class StepCommand:
     new_seqs: tuple[NewSeq, ...] = ()
     sampling_updates: tuple[SamplingUpdate, ...] = ()
     block_updates: tuple[BlockUpdate, ...] = ()
-    decode: tuple[DecodeRow, ...] = ()
+    decode: DecodeRows = field(default_factory=DecodeRows)
     prefill: tuple[PrefillRow, ...] = ()
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.decode, DecodeRows):  # a tuple of DecodeRow is accepted too
+            object.__setattr__(self, "decode", DecodeRows.from_rows(tuple(self.decode)))
+        elif self.decode.cols.size and (self.decode.cols.min() < -(2**31)
+                                        or self.decode.cols.max() >= 2**31):
+            raise ProtocolError("decode rows: a value does not fit in int32")
 
 
 # --------------------------------------------------------------------------- encode
@@ -137,11 +202,14 @@ def encode(cmd: StepCommand) -> bytes:
          for n in cmd.new_seqs],
         [[u.rank, u.slot, _samp(u.sampling)] for u in cmd.sampling_updates],
         [[b.rank, b.slot, b.first, list(b.blocks)] for b in cmd.block_updates],
-        [[d.rank, d.slot, d.feed, d.output_index] for d in cmd.decode],
+        cmd.decode.to_bytes(),
         [[p.rank, p.slot, p.start, list(p.tokens), p.sample, p.output_index, p.next_token]
          for p in cmd.prefill],
     ]
-    frame = msgpack.packb(body, use_bin_type=True)
+    try:
+        frame = msgpack.packb(body, use_bin_type=True)
+    except (OverflowError, TypeError, ValueError) as exc:
+        raise ProtocolError(f"cannot encode: {exc}") from None
     if len(frame) > MAX_FRAME_BYTES:
         raise ProtocolError(f"frame of {len(frame)} bytes exceeds {MAX_FRAME_BYTES}")
     return frame
@@ -180,6 +248,12 @@ def _list(v: Any, what: str, n: int | None = None) -> list:
     return v
 
 
+def _bin(v: Any, what: str) -> bytes:
+    if type(v) is not bytes:
+        raise ProtocolError(f"{what}: expected bin, got {type(v).__name__}")
+    return v
+
+
 def _ints(v: Any, what: str) -> tuple[int, ...]:
     return tuple(_int(x, what) for x in _list(v, what))
 
@@ -210,8 +284,7 @@ def _decode_body(f: list) -> StepCommand:
         block_updates=tuple(BlockUpdate(_int(r[0], "rank"), _int(r[1], "slot"),
                                         _int(r[2], "first"), _ints(r[3], "blocks"))
                             for r in _rows(f[6], "block_updates", 4)),
-        decode=tuple(DecodeRow(_int(r[0], "rank"), _int(r[1], "slot"), _int(r[2], "feed"),
-                               _int(r[3], "output_index")) for r in _rows(f[7], "decode", 4)),
+        decode=DecodeRows.from_bytes(_bin(f[7], "decode")),
         prefill=tuple(PrefillRow(_int(r[0], "rank"), _int(r[1], "slot"), _int(r[2], "start"),
                                  _ints(r[3], "tokens"), _bool(r[4], "sample"),
                                  _int(r[5], "output_index"), _int(r[6], "next_token"))

@@ -1,0 +1,100 @@
+"""RemoteEngine: the offline API's view of an engine that runs in a HeadActor (EP over Ray).
+
+Invariants: what crosses to the head is plain data (token ids, sampling fields as a dict);
+a request the head refuses raises a plain ``ValueError`` here with the head's message (not a
+Ray traceback); ``close`` shuts the head and its EP ranks down, and is safe to call twice.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import uuid
+from typing import Any, Iterator, Sequence
+
+from epserve.cluster.engine_args import EngineArgs
+from epserve.head.outputs import RequestOutput
+from epserve.head.sampling_params import SamplingParams
+
+
+def _plain(exc: BaseException) -> BaseException:
+    """The exception a Ray task raised, without Ray's wrapper."""
+    return getattr(exc, "cause", None) or exc
+
+
+class RemoteEngine:
+    """Drives a HeadActor started for these ``args`` (one per ``LLM``)."""
+
+    def __init__(self, args: EngineArgs):
+        import ray
+
+        from epserve.cluster.bringup import start_head
+
+        self.name = f"epserve-llm-{uuid.uuid4().hex[:8]}"
+        try:
+            self.head = start_head(args, name=self.name, detached=False)
+        except ray.exceptions.RayActorError as exc:
+            raise _as_value_error(exc) from None
+        self.info = ray.get(self.head.ready.remote())
+        self._ids = 0
+
+    def _call(self, ref: Any) -> Any:
+        import ray
+
+        try:
+            return ray.get(ref)
+        except ValueError as exc:
+            raise ValueError(str(_plain(exc))) from None
+
+    def generate(self, prompts: Sequence[tuple[str | None, list[int]]],
+                 params: Sequence[SamplingParams]) -> list[RequestOutput]:
+        reqs = [{"prompt": text, "prompt_token_ids": ids, "params": dataclasses.asdict(sp)}
+                for (text, ids), sp in zip(prompts, params)]
+        return self._call(self.head.generate_batch.remote(reqs))
+
+    def stream(self, text: str | None, ids: list[int], params: SamplingParams
+               ) -> Iterator[RequestOutput]:
+        import ray
+
+        self._ids += 1
+        rid = f"{self.name}-stream-{self._ids}"
+        gen = self.head.generate.remote(rid, ids, dataclasses.asdict(params), text)
+        finished = False
+        try:
+            for ref in gen:
+                out = self._call(ref)
+                finished = out.finished
+                yield out
+        finally:
+            if not finished:
+                ray.get(self.head.abort.remote(rid))
+
+    def stats(self) -> dict[str, Any]:
+        return self._call(self.head.stats.remote())
+
+    def health(self) -> dict[str, Any]:
+        return self._call(self.head.health.remote())
+
+    def worker_failures(self) -> list[list[dict[str, Any]]]:
+        return self._call(self.head.worker_failures.remote())
+
+    def worker_handles(self) -> list[Any]:
+        return self._call(self.head.worker_handles.remote())
+
+    def inject_command_fault(self, kind: str) -> None:
+        self._call(self.head.inject_command_fault.remote(kind))
+
+    def capabilities(self) -> frozenset[str]:
+        return frozenset(self._call(self.head.capabilities.remote()))
+
+    def close(self) -> None:
+        from epserve.cluster.bringup import stop_head
+
+        if self.head is not None:
+            stop_head(self.name)
+            self.head = None
+
+
+def _as_value_error(exc: BaseException) -> ValueError:
+    """A head that died while loading (e.g. experts not divisible by ranks) -> its reason."""
+    cause = getattr(exc, "cause", None) or getattr(exc, "error_msg", None) or exc
+    return ValueError(str(cause))

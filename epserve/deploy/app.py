@@ -1,0 +1,173 @@
+"""The Ray Serve application: ``build_app(config)`` and its FastAPI ingress deployment.
+
+Invariants: every answer that is not a success is OpenAI's error JSON (unknown routes and
+methods included, and any unexpected exception, which is logged and answered 500 without
+internals); /v1/* needs the API key when one is set (compared in constant time); a body is
+read within ``max_body_bytes`` and parsed with bounded depth before any model is built from
+it; pydantic stays at this edge — the engine gets plain values.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hmac
+import logging
+from typing import Any, Mapping
+
+from fastapi import FastAPI, Request
+from ray import serve
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from epserve.deploy.config import AppConfig
+from epserve.deploy.errors import ApiError, parse_json_object, read_body
+from epserve.deploy.metrics import CONTENT_TYPE, ServerMetrics
+from epserve.deploy.serving import ModelInfo, OpenAIServing
+
+log = logging.getLogger(__name__)
+
+_SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
+
+
+def _error_response(exc: ApiError) -> JSONResponse:
+    headers = {"WWW-Authenticate": "Bearer"} if exc.status == 401 else None
+    return JSONResponse(exc.body(), status_code=exc.status, headers=headers)
+
+
+class Gate:
+    """Auth and body limits of one ingress (what every route checks first)."""
+
+    def __init__(self, api_key: str | None, max_body_bytes: int):
+        self._key = api_key.encode("utf-8") if api_key else None
+        self.max_body_bytes = max_body_bytes
+
+    def check_auth(self, request: Request) -> None:
+        if self._key is None:
+            return
+        header = request.headers.get("authorization", "")
+        scheme, _, token = header.partition(" ")
+        given = token.strip().encode("utf-8", "surrogateescape") \
+            if scheme.lower() == "bearer" else b""
+        # Constant time in the key's content: compare_digest on equal-type bytes.
+        if not hmac.compare_digest(given, self._key):
+            raise ApiError(401, "Incorrect or missing API key. Send it as the header "
+                           "'Authorization: Bearer <key>'.", code="invalid_api_key")
+
+    async def json(self, request: Request) -> dict[str, Any]:
+        self.check_auth(request)
+        return parse_json_object(await read_body(request, self.max_body_bytes))
+
+
+def make_fastapi_app(serving: OpenAIServing, gate: Gate) -> FastAPI:
+    """The OpenAI routes over ``serving``; usable without Ray Serve (e.g. under uvicorn)."""
+    app = FastAPI(title="epserve", summary="OpenAI-compatible API of an epserve engine",
+                  version="0.1.0")
+    _install_error_handlers(app)
+
+    def _respond(result: Any) -> Response:
+        if isinstance(result, dict):
+            return JSONResponse(result)
+        return StreamingResponse(result, media_type="text/event-stream", headers=_SSE_HEADERS)
+
+    @app.post("/v1/completions")
+    async def completions(request: Request) -> Response:
+        return _respond(await serving.completions(await gate.json(request)))
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(request: Request) -> Response:
+        return _respond(await serving.chat(await gate.json(request)))
+
+    @app.get("/v1/models")
+    async def models(request: Request) -> Response:
+        gate.check_auth(request)
+        return JSONResponse(serving.models())
+
+    @app.post("/tokenize")
+    async def tokenize(request: Request) -> Response:
+        return JSONResponse(await serving.tokenize(await gate.json(request)))
+
+    @app.post("/detokenize")
+    async def detokenize(request: Request) -> Response:
+        return JSONResponse(await serving.detokenize(await gate.json(request)))
+
+    @app.get("/health")
+    async def health() -> Response:
+        ok, reason = await serving.client.health()
+        if ok:
+            return Response(status_code=200)
+        return _error_response(ApiError(503, f"unhealthy: {reason}", code="engine_unavailable"))
+
+    @app.get("/metrics")
+    async def metrics() -> Response:
+        stats = await serving.client.stats()
+        return Response(serving.metrics.render(stats), media_type=CONTENT_TYPE)
+
+    return app
+
+
+def _install_error_handlers(app: FastAPI) -> None:
+    @app.exception_handler(ApiError)
+    async def api_error(_: Request, exc: ApiError) -> Response:
+        return _error_response(exc)
+
+    @app.exception_handler(StarletteHTTPException)
+    async def http_error(_: Request, exc: StarletteHTTPException) -> Response:
+        return _error_response(ApiError(exc.status_code, str(exc.detail)))
+
+    @app.exception_handler(RequestValidationError)
+    async def validation_error(_: Request, exc: RequestValidationError) -> Response:
+        return _error_response(ApiError(400, str(exc.errors()[:1])))
+
+    @app.exception_handler(Exception)
+    async def unexpected(_: Request, exc: Exception) -> Response:
+        log.exception("unexpected error in a request")
+        return _error_response(ApiError(500, "internal server error", code="internal_error"))
+
+
+async def connect(config: AppConfig) -> tuple[OpenAIServing, Gate]:
+    """Start (or find) the head for ``config``, load the tokenizer, and build the serving
+    object and gate. Runs in the ingress process."""
+    from epserve.cluster.bringup import start_head
+    from epserve.cluster.engine_args import load_tokenizer
+    from epserve.deploy.engine_client import EngineClient
+
+    args = config.engine_args()
+    local = await asyncio.to_thread(args.resolved)  # builds the demo model here if needed
+    head = await asyncio.to_thread(start_head, local, config.head_name)
+    client = EngineClient(head)
+    facts = await client.ready()
+    if facts["model"] != local.model:
+        raise ValueError(f"the engine named {config.head_name!r} already serves "
+                         f"{facts['model']!r}, not {local.model!r}; stop it or pick another "
+                         f"head_name")
+    tokenizer = await asyncio.to_thread(load_tokenizer, local.model, local.tokenizer)
+    info = ModelInfo(name=str(facts["served_model_name"]), path=str(facts["model"]),
+                     max_model_len=int(facts["max_model_len"]),
+                     vocab_size=int(facts["vocab_size"]))
+    serving = OpenAIServing(client, tokenizer, info, ServerMetrics(info.name))
+    return serving, Gate(config.resolved_api_key(), config.max_body_bytes)
+
+
+@serve.deployment(name="OpenAIIngress", ray_actor_options={"num_cpus": 0},
+                  health_check_period_s=10, health_check_timeout_s=30)
+@serve.ingress()
+class OpenAIIngress:
+    """The HTTP edge, one per replica; every replica reaches the same named head."""
+
+    async def __init__(self, config: dict[str, Any]):
+        self.config = AppConfig.from_dict(config)
+        self.serving, self.gate = await connect(self.config)
+
+    def __serve_build_asgi_app__(self) -> FastAPI:
+        return make_fastapi_app(self.serving, self.gate)
+
+
+def build_app(config: Mapping[str, Any] | AppConfig | None = None) -> Any:
+    """The Serve application for ``config`` (serve.yaml's ``args``, flat: engine options as
+    ``EngineArgs`` names them, plus ``api_key``, ``max_body_bytes``, ``head_name``,
+    ``num_replicas``, ``max_ongoing_requests``). Nothing loads until a replica starts."""
+    cfg = config if isinstance(config, AppConfig) else AppConfig.from_dict(config)
+    return OpenAIIngress.options(
+        num_replicas=cfg.num_replicas, max_ongoing_requests=cfg.max_ongoing_requests,
+    ).bind(cfg.to_dict())

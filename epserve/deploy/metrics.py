@@ -1,0 +1,126 @@
+"""Prometheus /metrics with vLLM's metric names: engine gauges/counters and request timings.
+
+Invariants: gauges and counters are read from ``HeadActor.stats()`` at scrape time (the engine
+is their single source of truth, so every ingress replica reports the same values);
+latency histograms are observed in this ingress from stream timing; every series carries the
+``model_name`` label, as vLLM's do; each ingress owns its own registry (no global state).
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any, Iterable, Mapping
+
+from prometheus_client import CollectorRegistry, Histogram, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+
+CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
+
+# vLLM's buckets, so dashboards built for vLLM read these unchanged.
+TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0,
+                7.5, 10.0, 20.0, 40.0, 80.0, 160.0, 640.0, 2560.0)
+TPOT_BUCKETS = (0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0,
+                7.5, 10.0, 20.0, 40.0, 80.0)
+E2E_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0,
+               120.0, 240.0, 480.0, 960.0, 1920.0, 7680.0)
+
+#: finished_reason label values of vllm:request_success_total (always exported, even at 0).
+FINISHED_REASONS = ("stop", "length", "abort", "error")
+
+
+class _EngineCollector:
+    """Turns the last ``HeadActor.stats()`` dict into metric families at collect time."""
+
+    def __init__(self, model_name: str):
+        self.model_name = model_name
+        self.stats: Mapping[str, Any] = {}
+
+    def describe(self) -> Iterable[Metric]:
+        return []  # families are made per scrape; nothing to pre-register
+
+    def collect(self) -> Iterable[Metric]:
+        s, labels = self.stats, [self.model_name]
+        gauges = (("vllm:num_requests_running", "Requests in model execution batches.",
+                   "num_running"),
+                  ("vllm:num_requests_waiting", "Requests waiting to be processed.",
+                   "num_waiting"),
+                  ("vllm:kv_cache_usage_perc", "KV-cache usage. 1 means 100 percent usage.",
+                   "kv_usage"))
+        for name, doc, key in gauges:
+            g = GaugeMetricFamily(name, doc, labels=["model_name"])
+            g.add_metric(labels, float(s.get(key, 0)))
+            yield g
+        counters = (("vllm:prompt_tokens", "Prefill tokens processed.", "prompt_tokens"),
+                    ("vllm:generation_tokens", "Generation tokens processed.",
+                     "generation_tokens"),
+                    ("vllm:num_preemptions", "Cumulative number of preemptions.",
+                     "num_preemptions"))
+        for name, doc, key in counters:
+            c = CounterMetricFamily(name, doc, labels=["model_name"])
+            c.add_metric(labels, float(s.get(key, 0)))
+            yield c
+        finished = dict(s.get("finished") or {})
+        c = CounterMetricFamily("vllm:request_success", "Count of successfully processed "
+                                "requests (per completion), by finish reason.",
+                                labels=["model_name", "finished_reason"])
+        for reason in sorted(set(FINISHED_REASONS) | set(finished)):
+            c.add_metric([self.model_name, str(reason)], float(finished.get(reason, 0)))
+        yield c
+
+
+class ServerMetrics:
+    """The ingress's registry: engine stats (set before each scrape) and latency histograms."""
+
+    def __init__(self, model_name: str):
+        self.model_name = model_name
+        self.registry = CollectorRegistry(auto_describe=False)
+        self._engine = _EngineCollector(model_name)
+        self.registry.register(self._engine)
+        kw = dict(labelnames=["model_name"], registry=self.registry)
+        self.ttft = Histogram("vllm:time_to_first_token_seconds",
+                              "Histogram of time to first token in seconds.",
+                              buckets=TTFT_BUCKETS, **kw).labels(model_name)
+        self.tpot = Histogram("vllm:time_per_output_token_seconds",
+                              "Histogram of time per output token in seconds.",
+                              buckets=TPOT_BUCKETS, **kw).labels(model_name)
+        self.e2e = Histogram("vllm:e2e_request_latency_seconds",
+                             "Histogram of end-to-end request latency in seconds.",
+                             buckets=E2E_BUCKETS, **kw).labels(model_name)
+
+    def render(self, stats: Mapping[str, Any]) -> bytes:
+        """The exposition text with engine values from ``stats`` (``HeadActor.stats()``)."""
+        self._engine.stats = stats
+        return generate_latest(self.registry)
+
+    def timer(self, start: float | None = None) -> "RequestTimer":
+        """A timer for one engine request that arrived at ``start`` (time.monotonic())."""
+        return RequestTimer(self, time.monotonic() if start is None else start)
+
+
+class RequestTimer:
+    """Timing of one engine request, from its arrival at the ingress to its last token:
+    TTFT once, one TPOT per output that brought tokens after the first (the gap divided by
+    the tokens it brought), e2e once when the request finishes."""
+
+    def __init__(self, metrics: ServerMetrics, start: float):
+        self.metrics = metrics
+        self.start = self.last = start
+        self.tokens = 0
+        self.done = False
+
+    def on_output(self, out: Any) -> None:
+        """Called with each cumulative ``RequestOutput`` as it arrives."""
+        if self.done:
+            return
+        now = time.monotonic()
+        total = sum(len(c.token_ids) for c in out.outputs)
+        new = total - self.tokens
+        if new > 0:
+            if self.tokens == 0:
+                self.metrics.ttft.observe(now - self.start)
+            else:
+                self.metrics.tpot.observe((now - self.last) / new)
+            self.tokens, self.last = total, now
+        if out.finished:
+            self.done = True
+            self.metrics.e2e.observe(now - self.start)

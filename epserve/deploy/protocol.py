@@ -1,0 +1,236 @@
+"""The OpenAI request bodies as pydantic models (the HTTP edge), and their sampling knobs.
+
+Invariants: models are strict (a bool is not an int, a string is not a number) and ignore
+unknown fields as vLLM does; every integer is bounded so no value reaches a tensor it cannot
+fit; ``sampling_kwargs`` returns plain ``SamplingParams`` keywords that have been checked by
+constructing ``SamplingParams`` (its ``ValueError`` becomes a 400 naming the field).
+"""
+
+from __future__ import annotations
+
+from typing import Any, Literal, Union
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+
+from epserve.deploy.errors import ApiError, bad_request, from_value_error
+from epserve.head.sampling_params import SamplingParams
+
+#: Bounds beyond SamplingParams's own: choices per prompt, prompts per request, int32/int64.
+MAX_N = 128
+MAX_PROMPTS = 256
+MAX_CHOICES = 1024
+INT32 = 2**31 - 1
+_STRICT = ConfigDict(strict=True, extra="ignore")
+
+TokenIds = list[int]
+
+
+class StreamOptions(BaseModel):
+    model_config = _STRICT
+    include_usage: bool = False
+    continuous_usage_stats: bool = False
+
+
+class _SamplingRequest(BaseModel):
+    """Fields both endpoints share (vLLM's names and defaults)."""
+
+    model_config = _STRICT
+    model: str | None = None
+    max_tokens: int | None = Field(None, le=INT32)
+    temperature: float | None = None
+    top_p: float | None = None
+    top_k: int | None = Field(None, ge=-INT32, le=INT32)
+    min_p: float | None = None
+    seed: int | None = Field(None, ge=-(2**63), lt=2**64)
+    n: int = Field(1, le=MAX_N)
+    stop: str | list[str] | None = None
+    stop_token_ids: list[int] | None = Field(None, max_length=4096)
+    ignore_eos: bool = False
+    min_tokens: int = Field(0, le=INT32)
+    prompt_logprobs: int | None = Field(None, le=INT32)
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    user: str | None = None
+    skip_special_tokens: bool = True
+    include_stop_str_in_output: bool = False
+    echo: bool = False
+    # Accepted at their neutral values only: the engine has no penalties or biases yet.
+    presence_penalty: float | None = None
+    frequency_penalty: float | None = None
+    repetition_penalty: float | None = None
+    logit_bias: dict[str, float] | None = None
+
+    def check_common(self) -> None:
+        if self.stream_options is not None and not self.stream:
+            raise bad_request("stream_options can only be set when stream is true",
+                              param="stream_options")
+        for name, neutral in (("presence_penalty", 0.0), ("frequency_penalty", 0.0),
+                              ("repetition_penalty", 1.0)):
+            v = getattr(self, name)
+            if v is not None and v != neutral:
+                raise bad_request(f"{name} is not supported by this server (only {neutral})",
+                                  param=name)
+        if self.logit_bias:
+            raise bad_request("logit_bias is not supported by this server", param="logit_bias")
+        if self.stop_token_ids and any(t > INT32 for t in self.stop_token_ids):
+            raise bad_request("stop_token_ids must hold token ids", param="stop_token_ids")
+
+    @property
+    def include_usage(self) -> bool:
+        return bool(self.stream and self.stream_options and self.stream_options.include_usage)
+
+
+class CompletionRequest(_SamplingRequest):
+    """POST /v1/completions."""
+
+    prompt: Union[str, list[str], TokenIds, list[TokenIds]]
+    logprobs: int | None = Field(None, le=INT32)
+    suffix: str | None = None
+    best_of: int | None = Field(None, le=MAX_N)
+
+    def prompts(self) -> list[str | list[int]]:
+        """The prompts as a list of texts or token-id lists (one per choice group)."""
+        p = self.prompt
+        if isinstance(p, str):
+            out: list[Any] = [p]
+        elif not p:
+            raise bad_request("prompt must not be empty", param="prompt")
+        elif isinstance(p[0], int):
+            out = [p]
+        else:
+            out = list(p)
+        if len(out) > MAX_PROMPTS or len(out) * self.n > MAX_CHOICES:
+            raise bad_request(f"at most {MAX_PROMPTS} prompts and {MAX_CHOICES} choices "
+                              f"(prompts x n) per request", param="prompt")
+        return out
+
+    def check(self) -> None:
+        self.check_common()
+        if self.suffix is not None:
+            raise bad_request("suffix is not supported by this server", param="suffix")
+        if self.best_of is not None and self.best_of != self.n:
+            raise bad_request("best_of other than n is not supported", param="best_of")
+
+
+class ContentPart(BaseModel):
+    model_config = _STRICT
+    type: str
+    text: str | None = None
+
+
+class ChatMessage(BaseModel):
+    model_config = _STRICT
+    role: Literal["system", "user", "assistant", "tool", "developer"]
+    content: Union[str, list[ContentPart], None] = None
+    name: str | None = None
+
+    def to_template(self) -> dict[str, Any]:
+        """The message as a chat template reads it: text parts joined into one string."""
+        content = self.content
+        if isinstance(content, list):
+            texts = []
+            for part in content:
+                if part.type != "text" or part.text is None:
+                    raise bad_request(f"content parts of type {part.type!r} are not supported; "
+                                      f"only text parts", param="messages")
+                texts.append(part.text)
+            content = "\n".join(texts)
+        msg: dict[str, Any] = {"role": self.role, "content": content or ""}
+        if self.name is not None:
+            msg["name"] = self.name
+        return msg
+
+
+class ResponseFormat(BaseModel):
+    model_config = _STRICT
+    type: str
+
+
+class ChatCompletionRequest(_SamplingRequest):
+    """POST /v1/chat/completions."""
+
+    messages: list[ChatMessage] = Field(..., max_length=4096)
+    logprobs: bool = False
+    top_logprobs: int | None = Field(None, le=INT32)
+    max_completion_tokens: int | None = Field(None, le=INT32)
+    add_generation_prompt: bool = True
+    continue_final_message: bool = False
+    tools: list[dict[str, Any]] | None = None
+    tool_choice: str | dict[str, Any] | None = None
+    response_format: ResponseFormat | None = None
+
+    def check(self) -> None:
+        self.check_common()
+        if not self.messages:
+            raise bad_request("messages must not be empty", param="messages")
+        if self.tools:
+            raise bad_request("tools are not supported by this server", param="tools")
+        if self.tool_choice not in (None, "none", "auto"):
+            raise bad_request("tool_choice is not supported by this server", param="tool_choice")
+        if self.response_format is not None and self.response_format.type != "text":
+            raise bad_request("response_format other than text is not supported",
+                              param="response_format")
+        if self.top_logprobs and not self.logprobs:
+            raise bad_request("top_logprobs needs logprobs set to true", param="top_logprobs")
+        if self.continue_final_message and self.add_generation_prompt:
+            raise bad_request("continue_final_message and add_generation_prompt cannot both "
+                              "be true", param="continue_final_message")
+
+    def wanted_max_tokens(self) -> int | None:
+        return self.max_completion_tokens if self.max_completion_tokens is not None \
+            else self.max_tokens
+
+
+class TokenizeRequest(BaseModel):
+    """POST /tokenize: a prompt or a conversation."""
+
+    model_config = _STRICT
+    model: str | None = None
+    prompt: str | None = None
+    messages: list[ChatMessage] | None = Field(None, max_length=4096)
+    add_special_tokens: bool = True
+    add_generation_prompt: bool = True
+
+
+class DetokenizeRequest(BaseModel):
+    model_config = _STRICT
+    model: str | None = None
+    tokens: list[int]
+
+
+def validate(model: type[BaseModel], body: dict[str, Any]) -> Any:
+    """``model`` from a parsed body, or a 400 naming the first bad field."""
+    try:
+        return model.model_validate(body)
+    except ValidationError as exc:
+        err = exc.errors(include_url=False)[0]
+        loc = [str(p) for p in err.get("loc", ())]
+        where = ".".join(loc) or "body"
+        msg = str(err.get("msg", "invalid value"))
+        raise bad_request(f"{where}: {msg}", param=loc[0] if loc else None) from None
+
+
+def sampling_kwargs(req: _SamplingRequest, *, max_tokens: int | None, logprobs: int | None,
+                    prompt_logprobs: int | None) -> dict[str, Any]:
+    """SamplingParams keywords for ``req`` (checked: a bad value is a 400 naming it)."""
+    kw: dict[str, Any] = dict(
+        n=req.n, seed=req.seed, max_tokens=max_tokens, min_tokens=req.min_tokens,
+        stop=req.stop, stop_token_ids=req.stop_token_ids, ignore_eos=req.ignore_eos,
+        logprobs=logprobs, prompt_logprobs=prompt_logprobs,
+        skip_special_tokens=req.skip_special_tokens,
+        include_stop_str_in_output=req.include_stop_str_in_output)
+    for name in ("temperature", "top_p", "top_k", "min_p"):
+        v = getattr(req, name)
+        if v is not None:
+            kw[name] = v
+    if isinstance(kw["stop"], list):
+        kw["stop"] = list(kw["stop"])
+    try:
+        SamplingParams(**kw)
+    except ValueError as exc:
+        raise from_value_error(exc) from None
+    return kw
+
+
+__all__ = ["ApiError", "ChatCompletionRequest", "ChatMessage", "CompletionRequest",
+           "DetokenizeRequest", "TokenizeRequest", "sampling_kwargs", "validate"]

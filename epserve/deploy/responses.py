@@ -1,0 +1,152 @@
+"""OpenAI response bodies and stream chunks, built from engine outputs as plain JSON dicts.
+
+Invariants: field names and nesting are OpenAI's (plus vLLM's ``stop_reason`` and
+``prompt_logprobs``); every float is finite (a -inf logprob is written as -9999.0, as vLLM
+does), so every body is valid JSON; ``finish_reason`` is "stop" or "length" (None while
+running).
+"""
+
+from __future__ import annotations
+
+import json
+import time
+import uuid
+from dataclasses import dataclass
+from typing import Any, Callable, Sequence
+
+from epserve.head.outputs import Logprob, LogprobsDict
+
+_MIN_LOGPROB = -9999.0
+
+
+def new_id(prefix: str) -> str:
+    return f"{prefix}-{uuid.uuid4().hex}"
+
+
+def sse(obj: dict[str, Any] | str) -> str:
+    """One server-sent event: ``data: <json>`` (or the literal ``[DONE]``)."""
+    data = obj if isinstance(obj, str) else json.dumps(obj, ensure_ascii=False,
+                                                       separators=(",", ":"))
+    return f"data: {data}\n\n"
+
+
+def _lp(x: float) -> float:
+    return max(float(x), _MIN_LOGPROB)
+
+
+def usage(prompt_tokens: int, completion_tokens: int) -> dict[str, int]:
+    return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
+            "total_tokens": prompt_tokens + completion_tokens}
+
+
+@dataclass(frozen=True)
+class Head:
+    """What every body of one response repeats: id, object kind, creation time, model."""
+
+    id: str
+    object: str
+    model: str
+    created: int
+
+    @classmethod
+    def new(cls, prefix: str, object: str, model: str) -> "Head":
+        return cls(new_id(prefix), object, model, int(time.time()))
+
+    def body(self, **fields: Any) -> dict[str, Any]:
+        return {"id": self.id, "object": self.object, "created": self.created,
+                "model": self.model, **fields}
+
+
+# ---------------------------------------------------------------------- logprobs
+
+
+def _token_text(tid: int, lp: Logprob) -> str:
+    return lp.decoded_token if lp.decoded_token is not None else f"token_id:{tid}"
+
+
+def _chosen(position: LogprobsDict, token_id: int) -> tuple[str, float]:
+    lp = position.get(token_id)
+    if lp is None:  # cannot happen for engine outputs; keep the body valid anyway
+        return f"token_id:{token_id}", _MIN_LOGPROB
+    return _token_text(token_id, lp), _lp(lp.logprob)
+
+
+def _ranked(position: LogprobsDict) -> list[tuple[int, Logprob]]:
+    alts = [(tid, lp) for tid, lp in position.items() if lp.rank is not None]
+    return sorted(alts, key=lambda item: item[1].rank or 0)
+
+
+def completion_logprobs(token_ids: Sequence[int], positions: Sequence[LogprobsDict | None],
+                        offset: int, decode: Callable[[int], str] | None = None
+                        ) -> dict[str, Any]:
+    """The legacy completions ``logprobs`` object for these tokens; ``offset`` is the text
+    offset of the first one. A None position (the prompt's first token) has no logprob; its
+    text comes from ``decode``."""
+    tokens, token_lps, tops, offsets = [], [], [], []
+    for tid, pos in zip(token_ids, positions):
+        offsets.append(offset)
+        if pos is None:
+            text = decode(tid) if decode is not None else f"token_id:{tid}"
+            lp, top = None, None
+        else:
+            text, lp = _chosen(pos, tid)
+            top = {_token_text(t, p): _lp(p.logprob) for t, p in pos.items()}
+        tokens.append(text)
+        token_lps.append(lp)
+        tops.append(top)
+        offset += len(text)
+    return {"tokens": tokens, "token_logprobs": token_lps, "top_logprobs": tops,
+            "text_offset": offsets}
+
+
+def _chat_entry(text: str, lp: float) -> dict[str, Any]:
+    return {"token": text, "logprob": lp, "bytes": list(text.encode("utf-8"))}
+
+
+def chat_logprobs(token_ids: Sequence[int], positions: Sequence[LogprobsDict],
+                  top_n: int) -> dict[str, Any]:
+    """The chat ``logprobs`` object: per token, its logprob and up to ``top_n`` alternatives."""
+    content = []
+    for tid, pos in zip(token_ids, positions):
+        text, lp = _chosen(pos, tid)
+        top = [_chat_entry(_token_text(t, p), _lp(p.logprob)) for t, p in _ranked(pos)[:top_n]]
+        content.append({**_chat_entry(text, lp), "top_logprobs": top})
+    return {"content": content}
+
+
+def prompt_logprobs_json(positions: Sequence[LogprobsDict | None] | None) -> list | None:
+    """vLLM's ``prompt_logprobs``: per prompt position None or {token_id: {logprob, rank,
+    decoded_token}}."""
+    if positions is None:
+        return None
+    return [None if pos is None else {
+        str(tid): {"logprob": _lp(lp.logprob), "rank": lp.rank, "decoded_token": lp.decoded_token}
+        for tid, lp in pos.items()} for pos in positions]
+
+
+# ---------------------------------------------------------------------- choices
+
+
+def completion_choice(index: int, text: str, logprobs: dict | None, finish_reason: str | None,
+                      stop_reason: int | str | None, prompt_logprobs: list | None = None
+                      ) -> dict[str, Any]:
+    choice = {"index": index, "text": text, "logprobs": logprobs,
+              "finish_reason": finish_reason, "stop_reason": stop_reason}
+    if prompt_logprobs is not None:
+        choice["prompt_logprobs"] = prompt_logprobs
+    return choice
+
+
+def chat_choice(index: int, text: str, logprobs: dict | None, finish_reason: str | None,
+                stop_reason: int | str | None) -> dict[str, Any]:
+    return {"index": index,
+            "message": {"role": "assistant", "content": text, "refusal": None,
+                        "tool_calls": []},
+            "logprobs": logprobs, "finish_reason": finish_reason, "stop_reason": stop_reason}
+
+
+def chat_delta(index: int, delta: dict[str, Any], logprobs: dict | None = None,
+               finish_reason: str | None = None, stop_reason: int | str | None = None
+               ) -> dict[str, Any]:
+    return {"index": index, "delta": delta, "logprobs": logprobs,
+            "finish_reason": finish_reason, "stop_reason": stop_reason}

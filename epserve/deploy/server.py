@@ -1,0 +1,115 @@
+"""``epserve serve``: start (or join) Ray, deploy the OpenAI app, serve until Ctrl-C/SIGTERM.
+
+Invariants: the engine is started (and its model loaded) before the HTTP app is deployed,
+so a bad model path is one clear error, not a replica restart loop; on the way out the app
+and the head are removed, and a Ray cluster this command started is shut down — one it
+joined (``RAY_ADDRESS``) keeps its other applications.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import signal
+import socket
+import sys
+import threading
+from typing import Any
+
+from epserve.cluster.engine_args import EngineArgs
+from epserve.deploy.config import API_KEY_ENV, DEFAULT_MAX_BODY_BYTES, AppConfig
+
+APP_NAME = "epserve"
+
+
+def config_from_args(args: argparse.Namespace) -> AppConfig:
+    """The app config the ``serve`` subcommand's options describe."""
+    engine = EngineArgs(
+        model=args.model, tokenizer=getattr(args, "tokenizer", None), dtype=args.dtype,
+        device=args.device,
+        max_model_len=args.max_model_len, max_num_seqs=args.max_num_seqs,
+        max_num_batched_tokens=args.max_num_batched_tokens, num_kv_blocks=args.num_kv_blocks,
+        block_size=args.block_size, enable_prefix_caching=not args.no_prefix_caching,
+        load_format=args.load_format, ep_size=args.ep_size, seed=args.seed,
+        served_model_name=getattr(args, "served_model_name", None))
+    return AppConfig(engine=engine, api_key=args.api_key or os.environ.get(API_KEY_ENV) or None,
+                     max_body_bytes=getattr(args, "max_body_bytes", None)
+                     or DEFAULT_MAX_BODY_BYTES)
+
+
+def _check_port_free(host: str, port: int) -> None:
+    """A clear error now, rather than a proxy that cannot bind later."""
+    try:
+        with socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET) as s:
+            s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            s.bind((host, port))
+    except OSError as exc:
+        raise ValueError(f"cannot listen on {host}:{port}: {exc.strerror}") from None
+
+
+def _wait_for_stop() -> None:
+    """Block until SIGINT or SIGTERM."""
+    stop = threading.Event()
+    previous = {sig: signal.signal(sig, lambda *_: stop.set())
+                for sig in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        while not stop.wait(1.0):
+            pass
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+
+
+def _url(host: str, port: int) -> str:
+    shown = "127.0.0.1" if host in ("0.0.0.0", "") else f"[{host}]" if ":" in host else host
+    return f"http://{shown}:{port}/v1"
+
+
+def _say(msg: str) -> None:
+    print(f"epserve: {msg}", file=sys.stderr, flush=True)
+
+
+def serve_main(args: argparse.Namespace) -> int:
+    """Serve ``args`` (the ``serve`` subcommand's namespace) until Ctrl-C or SIGTERM."""
+    import ray
+    from ray import serve
+
+    from epserve.cluster.bringup import init_ray, start_head, stop_head
+    from epserve.deploy.app import build_app
+
+    cfg = config_from_args(args)
+    joined = bool(os.environ.get("RAY_ADDRESS")) or ray.is_initialized()
+    if not joined:
+        _check_port_free(args.host, args.port)
+    init_ray()
+    try:
+        _say(f"loading {cfg.engine.model or 'the built-in demo model (random weights)'} ...")
+        start_head(cfg.engine_args(), cfg.head_name)
+        serve.start(http_options={"host": args.host, "port": args.port})
+        serve.run(build_app(cfg), name=APP_NAME, route_prefix="/", blocking=False)
+        auth = "API key required" if cfg.api_key else "no API key"
+        print(f"epserve: serving {cfg.served_model_name!r} at {_url(args.host, args.port)} "
+              f"({auth}); Ctrl-C to stop", flush=True)
+        if cfg.engine.model is None:
+            _say("the demo model's weights are random: its text is random")
+        _wait_for_stop()
+        _say("shutting down")
+    finally:
+        _shutdown(serve, joined, cfg, stop_head)
+        if not joined:
+            ray.shutdown()
+    return 0
+
+
+def _shutdown(serve: Any, joined: bool, cfg: AppConfig, stop_head: Any) -> None:
+    try:
+        if joined:
+            serve.delete(APP_NAME)
+        else:
+            serve.shutdown()
+    except Exception as exc:  # best effort: the cluster may already be going away
+        _say(f"stopping the app: {exc}")
+    try:
+        stop_head(cfg.head_name)
+    except Exception as exc:
+        _say(f"stopping the engine: {exc}")

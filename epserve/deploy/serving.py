@@ -1,0 +1,317 @@
+"""OpenAIServing: completions, chat, models, tokenize — from a parsed body to a response.
+
+Invariants: every limit is checked before the engine sees the request (model name, prompt
+length against the context, token ids in the vocabulary, sampling values via SamplingParams);
+a streamed response is SSE chunks ending in ``data: [DONE]`` — an error after the 200 is one
+error event before it, never a hung or cut stream; whatever way a response ends, its engine
+requests are finished or aborted.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from dataclasses import dataclass
+from typing import Any, AsyncIterator, Callable, Sequence
+
+from epserve.deploy import responses as R
+from epserve.deploy.engine_client import EngineClient
+from epserve.deploy.errors import ApiError, bad_request
+from epserve.deploy.metrics import ServerMetrics
+from epserve.deploy.protocol import (ChatCompletionRequest, CompletionRequest, DetokenizeRequest,
+                                     TokenizeRequest, sampling_kwargs, validate)
+from epserve.deploy.stream import Delta, DeltaTracker, Fanout, Prompt, open_streams
+from epserve.head.outputs import RequestOutput
+
+log = logging.getLogger(__name__)
+
+#: Texts longer than this are tokenized on a worker thread, off the event loop.
+_THREAD_TOKENIZE_CHARS = 8192
+COMPLETIONS_DEFAULT_MAX_TOKENS = 16
+
+
+@dataclass(frozen=True)
+class ModelInfo:
+    """What ``HeadActor.ready()`` reports, as the ingress uses it."""
+
+    name: str
+    path: str
+    max_model_len: int
+    vocab_size: int
+
+
+class OpenAIServing:
+    def __init__(self, client: EngineClient, tokenizer: Any, info: ModelInfo,
+                 metrics: ServerMetrics):
+        self.client = client
+        self.tokenizer = tokenizer
+        self.info = info
+        self.metrics = metrics
+
+    # ------------------------------------------------------------------ shared checks
+
+    def check_model(self, name: str | None) -> None:
+        if name is not None and name != self.info.name:
+            raise ApiError(404, f"The model `{name}` does not exist.", param="model",
+                           code="model_not_found")
+
+    def _need_tokenizer(self, what: str, param: str) -> Any:
+        if self.tokenizer is None:
+            raise bad_request(f"{what}: this model folder has no tokenizer; send the prompt as "
+                              f"token ids", param=param)
+        return self.tokenizer
+
+    async def _encode(self, text: str, add_special_tokens: bool, param: str) -> list[int]:
+        tok = self._need_tokenizer("text prompts", param)
+
+        def run() -> list[int]:
+            return list(tok.encode(text, add_special_tokens=add_special_tokens))
+        return await asyncio.to_thread(run) if len(text) > _THREAD_TOKENIZE_CHARS else run()
+
+    def _check_ids(self, ids: Sequence[int], param: str) -> None:
+        v = self.info.vocab_size
+        for t in ids:
+            if not 0 <= t < v:
+                raise bad_request(f"{param}: {t} is not a token id in [0, {v})", param=param)
+
+    def _check_context(self, n_prompt: int, max_tokens: int | None, param: str,
+                       tokens_param: str = "max_tokens") -> None:
+        limit = self.info.max_model_len
+        if n_prompt == 0:
+            raise bad_request(f"{param} must not be empty", param=param)
+        if n_prompt >= limit:
+            raise bad_request(f"This model's maximum context length is {limit} tokens. However, "
+                              f"your request has {n_prompt} input tokens. Please reduce the "
+                              f"length of the input.", param=param,
+                              code="context_length_exceeded")
+        if max_tokens is not None and max_tokens > 0 and n_prompt + max_tokens > limit:
+            raise bad_request(f"This model's maximum context length is {limit} tokens. However, "
+                              f"you requested {n_prompt + max_tokens} tokens ({n_prompt} in the "
+                              f"input, {max_tokens} in the completion). Please reduce the length "
+                              f"of the input or completion.", param=tokens_param,
+                              code="context_length_exceeded")
+
+    def _decode(self, ids: Sequence[int]) -> str:
+        return self.tokenizer.decode(list(ids), skip_special_tokens=False) if self.tokenizer else ""
+
+    def _decode_one(self, tid: int) -> str:
+        return self._decode([tid])
+
+    async def render_chat(self, req: ChatCompletionRequest | TokenizeRequest,
+                          continue_final: bool = False) -> Prompt:
+        """The chat template applied to the messages, and its token ids."""
+        tok = self._need_tokenizer("chat", "messages")
+        if not getattr(tok, "chat_template", None):
+            raise bad_request("this model has no chat template; use /v1/completions",
+                              param="messages")
+        msgs = [m.to_template() for m in req.messages or []]
+        try:
+            text = tok.apply_chat_template(msgs, tokenize=False,
+                                           add_generation_prompt=req.add_generation_prompt,
+                                           continue_final_message=continue_final)
+        except Exception as exc:  # jinja2 errors, a template's raise_exception(...)
+            raise bad_request(f"the chat template failed on these messages: {exc}",
+                              param="messages") from None
+        return Prompt(text, await self._encode(text, add_special_tokens=False, param="messages"))
+
+    # ------------------------------------------------------------------ completions
+
+    async def completions(self, body: dict[str, Any]) -> dict[str, Any] | AsyncIterator[str]:
+        t0 = time.monotonic()
+        req: CompletionRequest = validate(CompletionRequest, body)
+        req.check()
+        self.check_model(req.model)
+        prompts = []
+        for p in req.prompts():
+            if isinstance(p, str):
+                ids = await self._encode(p, add_special_tokens=True, param="prompt")
+                prompts.append(Prompt(p, ids))
+            else:
+                self._check_ids(p, "prompt")
+                prompts.append(Prompt(None, list(p)))
+        max_tokens = req.max_tokens if req.max_tokens is not None \
+            else COMPLETIONS_DEFAULT_MAX_TOKENS
+        for p in prompts:
+            self._check_context(len(p.ids), max_tokens, "prompt")
+        prompt_lp = req.prompt_logprobs
+        if req.echo and req.logprobs is not None:
+            prompt_lp = max(prompt_lp or 0, req.logprobs)
+        kw = sampling_kwargs(req, max_tokens=max_tokens, logprobs=req.logprobs,
+                             prompt_logprobs=prompt_lp)
+        head = R.Head.new("cmpl", "text_completion", self.info.name)
+        fan = await open_streams(self.client, head.id, prompts, kw, "prompt", self.metrics, t0)
+        if req.stream:
+            return self._completion_stream(req, head, prompts, fan)
+        try:
+            finals = await fan.final()
+        finally:
+            await fan.close()
+        return self._completion_body(req, head, prompts, finals)
+
+    def _echo_logprobs(self, req: CompletionRequest, prompt: Prompt, out: RequestOutput,
+                       gen_ids: Sequence[int], gen_lps: Sequence[Any], first: bool,
+                       offset: int) -> dict[str, Any] | None:
+        if req.logprobs is None:
+            return None
+        ids, lps = list(gen_ids), list(gen_lps or [])
+        if req.echo and first:
+            plps = out.prompt_logprobs or [None] * len(prompt.ids)
+            ids, lps = prompt.ids + ids, list(plps) + lps
+        return R.completion_logprobs(ids, lps, offset, self._decode_one)
+
+    def _prompt_text(self, p: Prompt) -> str:
+        return p.text if p.text is not None else self._decode(p.ids)
+
+    def _completion_body(self, req: CompletionRequest, head: R.Head, prompts: list[Prompt],
+                         finals: list[RequestOutput]) -> dict[str, Any]:
+        choices, n_gen = [], 0
+        for i, (p, out) in enumerate(zip(prompts, finals)):
+            plps = R.prompt_logprobs_json(out.prompt_logprobs) \
+                if req.prompt_logprobs is not None else None
+            for c in out.outputs:
+                prefix = self._prompt_text(p) if req.echo else ""
+                lps = self._echo_logprobs(req, p, out, c.token_ids, c.logprobs or [], True, 0)
+                choices.append(R.completion_choice(i * req.n + c.index, prefix + c.text, lps,
+                                                   c.finish_reason, c.stop_reason, plps))
+                n_gen += len(c.token_ids)
+        n_prompt = sum(len(p.ids) for p in prompts)
+        return head.body(choices=choices, usage=R.usage(n_prompt, n_gen),
+                         system_fingerprint=None)
+
+    def _completion_stream(self, req: CompletionRequest, head: R.Head,
+                           prompts: list[Prompt], fan: Fanout) -> AsyncIterator[str]:
+        tracker = DeltaTracker(len(prompts), req.n)
+        offsets = [0] * (len(prompts) * req.n)
+        extra = {"usage": None} if req.include_usage else {}
+
+        def chunk(i: int, out: RequestOutput, d: Delta) -> dict[str, Any]:
+            p = prompts[i]
+            text = (self._prompt_text(p) + d.text) if (req.echo and d.first) else d.text
+            lps = self._echo_logprobs(req, p, out, d.token_ids, d.logprobs or [], d.first,
+                                      offsets[d.index])
+            if lps is not None:
+                offsets[d.index] = lps["text_offset"][-1] + len(lps["tokens"][-1]) \
+                    if lps["tokens"] else offsets[d.index]
+            plps = R.prompt_logprobs_json(out.prompt_logprobs) \
+                if (d.first and req.prompt_logprobs is not None) else None
+            choice = R.completion_choice(d.index, text, lps, d.finish_reason, d.stop_reason, plps)
+            return head.body(choices=[choice], **extra)
+
+        return self._sse(fan, tracker, req, chunk, head, want_lp=req.logprobs is not None)
+
+    async def _sse(self, fan: Fanout, tracker: DeltaTracker, req: Any,
+                   chunk: Callable[[int, RequestOutput, Delta], dict[str, Any]], head: R.Head,
+                   want_lp: bool, opening: Sequence[dict[str, Any]] = ()) -> AsyncIterator[str]:
+        """The SSE body: ``opening`` chunks, one chunk per delta, usage, ``[DONE]``."""
+        try:
+            for c in opening:
+                yield R.sse(c)
+            async for i, out in fan.outputs():
+                for d in tracker.update(i, out, want_lp):
+                    yield R.sse(chunk(i, out, d))
+            if req.include_usage:
+                yield R.sse(head.body(choices=[], usage=R.usage(
+                    sum(tracker.prompt_tokens), tracker.completion_tokens)))
+        except ApiError as exc:
+            yield R.sse(exc.body())
+        except Exception:  # a bug here must still end the stream properly
+            log.exception("stream failed")
+            yield R.sse(ApiError(500, "internal server error", code="internal_error").body())
+        finally:
+            await fan.close()
+        yield R.sse("[DONE]")
+
+    # ------------------------------------------------------------------ chat
+
+    async def chat(self, body: dict[str, Any]) -> dict[str, Any] | AsyncIterator[str]:
+        t0 = time.monotonic()
+        req: ChatCompletionRequest = validate(ChatCompletionRequest, body)
+        req.check()
+        self.check_model(req.model)
+        prompt = await self.render_chat(req, req.continue_final_message)
+        max_tokens = req.wanted_max_tokens()
+        self._check_context(len(prompt.ids), max_tokens, "messages",
+                            "max_completion_tokens" if req.max_completion_tokens is not None
+                            else "max_tokens")
+        logprobs = (req.top_logprobs or 0) if req.logprobs else None
+        kw = sampling_kwargs(req, max_tokens=max_tokens, logprobs=logprobs,
+                             prompt_logprobs=req.prompt_logprobs)
+        head = R.Head.new("chatcmpl", "chat.completion", self.info.name)
+        fan = await open_streams(self.client, head.id, [prompt], kw, "messages", self.metrics,
+                                t0)
+        echo = self._chat_echo(req)
+        if req.stream:
+            return self._chat_stream(req, head, fan, echo)
+        try:
+            (out,) = await fan.final()
+        finally:
+            await fan.close()
+        choices = [R.chat_choice(c.index, echo + c.text, self._chat_lps(req, c.token_ids,
+                                                                        c.logprobs),
+                                 c.finish_reason, c.stop_reason) for c in out.outputs]
+        body = head.body(choices=choices, usage=R.usage(
+            len(prompt.ids), sum(len(c.token_ids) for c in out.outputs)),
+            system_fingerprint=None)
+        if req.prompt_logprobs is not None:
+            body["prompt_logprobs"] = R.prompt_logprobs_json(out.prompt_logprobs)
+        return body
+
+    @staticmethod
+    def _chat_echo(req: ChatCompletionRequest) -> str:
+        last = req.messages[-1]
+        if req.echo and last.role == "assistant":
+            return last.to_template()["content"]
+        return ""
+
+    @staticmethod
+    def _chat_lps(req: ChatCompletionRequest, ids: Sequence[int], lps: Any) -> dict | None:
+        if not req.logprobs:
+            return None
+        return R.chat_logprobs(ids, lps or [], req.top_logprobs or 0)
+
+    def _chat_stream(self, req: ChatCompletionRequest, head: R.Head, fan: Fanout,
+                     echo: str) -> AsyncIterator[str]:
+        head = R.Head(head.id, "chat.completion.chunk", head.model, head.created)
+        extra = {"usage": None} if req.include_usage else {}
+        opening = [head.body(choices=[R.chat_delta(k, {"role": "assistant", "content": ""})],
+                             **extra) for k in range(req.n)]
+        tracker = DeltaTracker(1, req.n)
+
+        def chunk(i: int, out: RequestOutput, d: Delta) -> dict[str, Any]:
+            text = (echo + d.text) if d.first else d.text
+            delta = {"content": text} if (text or not d.finish_reason) else {}
+            lps = self._chat_lps(req, d.token_ids, d.logprobs)
+            return head.body(choices=[R.chat_delta(d.index, delta, lps, d.finish_reason,
+                                                   d.stop_reason)], **extra)
+
+        return self._sse(fan, tracker, req, chunk, head, want_lp=bool(req.logprobs),
+                         opening=opening)
+
+    # ------------------------------------------------------------------ models, tokenize
+
+    def models(self) -> dict[str, Any]:
+        return {"object": "list", "data": [{
+            "id": self.info.name, "object": "model", "created": 0, "owned_by": "epserve",
+            "root": self.info.path, "parent": None, "max_model_len": self.info.max_model_len}]}
+
+    async def tokenize(self, body: dict[str, Any]) -> dict[str, Any]:
+        req: TokenizeRequest = validate(TokenizeRequest, body)
+        self.check_model(req.model)
+        if (req.prompt is None) == (req.messages is None):
+            raise bad_request("send exactly one of prompt and messages", param="prompt")
+        if req.messages is not None:
+            if not req.messages:
+                raise bad_request("messages must not be empty", param="messages")
+            ids = (await self.render_chat(req)).ids
+        else:
+            ids = await self._encode(req.prompt or "", req.add_special_tokens, "prompt")
+        return {"count": len(ids), "max_model_len": self.info.max_model_len, "tokens": ids,
+                "token_strs": None}
+
+    async def detokenize(self, body: dict[str, Any]) -> dict[str, Any]:
+        req: DetokenizeRequest = validate(DetokenizeRequest, body)
+        self.check_model(req.model)
+        self._need_tokenizer("detokenize", "tokens")
+        self._check_ids(req.tokens, "tokens")
+        return {"prompt": self._decode(req.tokens)}

@@ -1,0 +1,138 @@
+"""The ``epserve`` command as a user runs it: ``python -m epserve`` and the console script.
+
+Every call is a real subprocess with ``EPSERVE_CACHE_DIR`` pointing at this session's demo
+model build (nothing is built or downloaded in the user's home), and a 120 s timeout.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from epserve import LLM, SamplingParams
+
+TIMEOUT = 120
+
+
+def _console_script() -> str:
+    exe = Path(sys.executable).parent / "epserve"
+    found = str(exe) if exe.exists() else shutil.which("epserve")
+    if not found:
+        pytest.fail("the `epserve` console script is not installed next to this Python")
+    return found
+
+
+@pytest.fixture(scope="module")
+def env(demo_model_dir) -> dict[str, str]:
+    e = dict(os.environ)
+    e["EPSERVE_CACHE_DIR"] = str(demo_model_dir.parent)
+    e.pop("CUDA_VISIBLE_DEVICES", None)
+    return e
+
+
+def _run(env, *args: str, script: bool = False) -> subprocess.CompletedProcess:
+    cmd = [_console_script()] if script else [sys.executable, "-m", "epserve"]
+    return subprocess.run(cmd + list(args), env=env, capture_output=True, text=True,
+                          timeout=TIMEOUT, stdin=subprocess.DEVNULL)
+
+
+def _one_error_line(proc: subprocess.CompletedProcess) -> str:
+    """The run failed as promised: status 2, nothing on stdout, one 'epserve: error:' line."""
+    assert proc.returncode == 2, (proc.returncode, proc.stdout, proc.stderr)
+    assert proc.stdout == ""
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 1, proc.stderr
+    assert lines[0].startswith("epserve: error: "), proc.stderr
+    return lines[0]
+
+
+@pytest.fixture(scope="module")
+def demo(demo_model_dir) -> LLM:
+    return LLM(model=str(demo_model_dir), seed=0)
+
+
+def test_generate_prints_the_greedy_text_of_the_api(env, demo):
+    first = _run(env, "generate", "--max-tokens", "8", "Hello")
+    assert first.returncode == 0, first.stderr
+    assert first.stdout.strip()
+    want = demo.generate("Hello", SamplingParams(temperature=0.0, max_tokens=8))[0].outputs[0]
+    assert len(want.token_ids) == 8 or want.finish_reason == "stop"
+    assert first.stdout == want.text + "\n"
+    # The console script is the same command, and greedy output does not change between runs.
+    second = _run(env, "generate", "--max-tokens", "8", "Hello", script=True)
+    assert second.returncode == 0, second.stderr
+    assert second.stdout == first.stdout
+
+
+def test_generate_with_stop_and_sampling_options(env, demo):
+    base = demo.generate("Once upon a time", SamplingParams(temperature=0.0, max_tokens=24,
+                                                            ignore_eos=True))[0].outputs[0].text
+    stop = base[12:15]
+    want = demo.generate("Once upon a time", SamplingParams(
+        temperature=0.0, max_tokens=24, ignore_eos=True, stop=[stop]))[0].outputs[0]
+    assert want.finish_reason == "stop"
+    proc = _run(env, "generate", "--max-tokens", "24", "--ignore-eos", "--stop", stop,
+                "Once upon a time")
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout == want.text + "\n"
+    sampled = demo.generate("Once upon a time", SamplingParams(
+        temperature=0.9, top_p=0.95, top_k=50, seed=5, max_tokens=12, ignore_eos=True))[0]
+    proc = _run(env, "generate", "--max-tokens", "12", "--ignore-eos", "--temperature", "0.9",
+                "--top-p", "0.95", "--top-k", "50", "--sample-seed", "5", "Once upon a time",
+                script=True)
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout == sampled.outputs[0].text + "\n"
+
+
+def test_generate_chat_uses_the_chat_template(env, demo):
+    proc = _run(env, "generate", "--chat", "--max-tokens", "8", "Hello")
+    assert proc.returncode == 0, proc.stderr
+    want = demo.chat([{"role": "user", "content": "Hello"}],
+                     SamplingParams(temperature=0.0, max_tokens=8))[0].outputs[0]
+    assert proc.stdout == want.text + "\n"
+
+
+def test_text_prompt_on_a_checkpoint_without_tokenizer(env, qwen3_ckpt):
+    line = _one_error_line(_run(env, "generate", "--model", str(qwen3_ckpt), "Hello"))
+    assert str(qwen3_ckpt) in line and "no tokenizer" in line and "--tokenizer" in line
+
+
+@pytest.mark.parametrize("args, want", [
+    (["--temperature", "-1"], "SamplingParams.temperature"),
+    (["--max-tokens", "0"], "SamplingParams.max_tokens"),
+    (["--top-p", "0"], "SamplingParams.top_p"),
+    (["--ep-size", "3"], "num_experts=16 is not divisible by world_size=3"),
+    (["--device", "foo"], "device='foo'"),
+    (["--block-size", "0"], "block_size must be a positive integer"),
+])
+def test_bad_option_exits_2_naming_it(env, args, want):
+    line = _one_error_line(_run(env, "generate", *args, "Hello"))
+    assert want in line
+
+
+def test_missing_model_folder_exits_2_naming_it(env, tmp_path):
+    missing = tmp_path / "nonexistent"
+    line = _one_error_line(_run(env, "generate", "--model", str(missing), "Hello", script=True))
+    assert str(missing) in line
+
+
+def test_empty_prompt_exits_2(env):
+    line = _one_error_line(_run(env, "generate", "--max-tokens", "4", ""))
+    assert "prompt" in line and "empty" in line
+
+
+def test_serve_says_it_is_not_available(env):
+    line = _one_error_line(_run(env, "serve", script=True))
+    assert "not available" in line and "epserve generate" in line
+
+
+def test_usage_errors_are_argparse_status_2(env):
+    proc = _run(env, "generate")
+    assert proc.returncode == 2 and "prompt" in proc.stderr and proc.stdout == ""
+    proc = _run(env, "generate", "--help")
+    assert proc.returncode == 0 and "--max-tokens" in proc.stdout and "--chat" in proc.stdout
