@@ -11,7 +11,7 @@ import logging
 import os
 from typing import Any
 
-from epserve.cluster.engine_args import EngineArgs
+from epserve.cluster.engine_args import EngineArgs, check_model_path
 
 log = logging.getLogger(__name__)
 
@@ -35,6 +35,18 @@ def init_ray(num_cpus: int | None = None) -> None:
              num_cpus=num_cpus, _node_ip_address="127.0.0.1", log_to_driver=False)
 
 
+def placement_device(device: str) -> str:
+    """Where the ranks must be placed: ``auto`` means GPUs when the cluster has any (the driver
+    itself may run on a CPU-only head node)."""
+    import ray
+
+    if device.startswith("cuda"):
+        return "cuda"
+    if device == "cpu":
+        return "cpu"
+    return "cuda" if ray.cluster_resources().get("GPU", 0) > 0 else "cpu"
+
+
 def start_head(args: EngineArgs, name: str = HEAD_NAME, timeout_s: float = 600.0,
                strategy: str = "STRICT_PACK", detached: bool = True) -> Any:
     """The named HeadActor for ``args`` (created when absent) once its model is loaded.
@@ -47,16 +59,16 @@ def start_head(args: EngineArgs, name: str = HEAD_NAME, timeout_s: float = 600.0
 
     from epserve.cluster.ep_group import bundle
     from epserve.cluster.head_actor import HeadActor
-    from epserve.worker.runner import resolve_device
 
     if strategy not in ("STRICT_PACK", "PACK", "SPREAD", "STRICT_SPREAD"):
         raise ValueError(f"placement strategy {strategy!r} is not a Ray strategy")
     args = args.resolved()
+    # refused here, before Ray or any actor starts, with the loader's own message
+    check_model_path(args.model)
     if args.ep_size > 1:
         from epserve.models.config import ModelConfig
         from epserve.models.parallel import ParallelInfo
 
-        # refused here, before Ray or any actor starts, with the loader's own message
         experts = ModelConfig.from_pretrained(args.model).num_experts
         ParallelInfo(0, args.ep_size).local_expert_range(experts)
     init_ray()
@@ -65,8 +77,10 @@ def start_head(args: EngineArgs, name: str = HEAD_NAME, timeout_s: float = 600.0
     if detached:
         opts["lifetime"] = "detached"
     pg = None
+    device_type = placement_device(args.device)
+    if args.ep_size == 1 and device_type == "cuda":
+        opts["num_gpus"] = 1
     if args.ep_size > 1:
-        device_type = resolve_device(args.device).type
         pg = placement_group([bundle(device_type)] * args.ep_size, strategy=strategy)
         try:
             ray.get(pg.ready(), timeout=timeout_s)

@@ -15,6 +15,7 @@ from typing import Any, Sequence
 
 from epserve.head.engine import Engine, EngineConfig
 from epserve.head.scheduler import SchedulerConfig
+from epserve.models.config import CheckpointError, ModelConfig
 from epserve.worker.runner import Runner, RunnerConfig
 
 
@@ -75,6 +76,19 @@ class EngineArgs:
             num_kv_blocks=self.num_kv_blocks, max_num_seqs=self.max_num_seqs,
             enable_prefix_caching=self.enable_prefix_caching, load_format=self.load_format,
             seed=self.seed)
+
+
+def check_model_path(path: str) -> None:
+    """``CheckpointError`` naming ``path`` when it is not a checkpoint folder we can serve
+    (checked before any process or actor starts, so the user sees one clear line)."""
+    p = Path(path)
+    if not p.exists():
+        raise CheckpointError(f"model {path}: no such folder (expected a Hugging Face checkpoint "
+                              f"folder with config.json and safetensors weights)")
+    if not p.is_dir():
+        raise CheckpointError(f"model {path}: not a folder (expected a Hugging Face checkpoint "
+                              f"folder with config.json and safetensors weights)")
+    ModelConfig.from_pretrained(path)  # config.json present, architecture supported
 
 
 class NoTokenizer:

@@ -17,14 +17,15 @@ import os
 from pathlib import Path
 from typing import Any, Iterator, Sequence
 
-from epserve.cluster.engine_args import EngineArgs, build_engine, load_tokenizer
+from epserve.cluster.engine_args import (
+    EngineArgs, build_engine, check_model_path, load_tokenizer,
+)
 from epserve.cluster.remote_engine import RemoteEngine
 from epserve.head.async_engine import engine_snapshot
 from epserve.head.output_builder import build_output
 from epserve.head.outputs import RequestOutput
 from epserve.head.sampling_params import SamplingParams
 from epserve.head.sequence import Request
-from epserve.models.config import CheckpointError
 from epserve.models.traits import BeamReq, require_capability
 
 log = logging.getLogger(__name__)
@@ -67,16 +68,6 @@ def _check_device(device: str) -> None:
         raise ValueError(f"device={device!r}: only 'auto', 'cpu' and 'cuda[:N]' are supported")
 
 
-def _check_model_path(path: str) -> None:
-    p = Path(path)
-    if not p.exists():
-        raise CheckpointError(f"model {path}: no such folder (expected a Hugging Face checkpoint "
-                              f"folder with config.json and safetensors weights)")
-    if not p.is_dir():
-        raise CheckpointError(f"model {path}: not a folder (expected a Hugging Face checkpoint "
-                              f"folder with config.json and safetensors weights)")
-
-
 class LLM:
     """Generate text from a MoE checkpoint on this machine (CUDA when present, else CPU).
 
@@ -109,7 +100,7 @@ class LLM:
             raise ValueError(f"seed must be an int, got {seed!r}")
         _check_device(device)
         if args.model is not None:
-            _check_model_path(args.model)
+            check_model_path(args.model)
         if tokenizer is not None and not any(
                 (Path(tokenizer) / f).is_file()
                 for f in ("tokenizer.json", "tokenizer_config.json", "tokenizer.model")):

@@ -1,1 +1,1 @@
-"""User-facing entry points: the CLI and (later) the Ray Serve OpenAI app and deploy YAML."""
+"""User-facing entry points: the CLI, `epserve serve`, the Ray Serve OpenAI app (build_app)."""

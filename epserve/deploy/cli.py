@@ -102,8 +102,9 @@ def _generate(args: argparse.Namespace) -> int:
 
 
 def _serve(args: argparse.Namespace) -> int:
-    raise ValueError("serve: the HTTP server is not available in this version yet; use "
-                     "`epserve generate` or the Python API (from epserve import LLM)")
+    from epserve.deploy.server import serve_main
+
+    return serve_main(args)
 
 
 def main(argv: Sequence[str] | None = None) -> int:

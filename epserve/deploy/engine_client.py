@@ -69,6 +69,7 @@ class EngineClient:
         from ray.exceptions import RayActorError, RayTaskError
 
         finished = False
+        gen = None
         try:
             gen = self.head.generate.remote(request_id, list(prompt_ids), params, prompt)
             async for ref in gen:
@@ -96,3 +97,16 @@ class EngineClient:
         finally:
             if not finished:
                 self.abort(request_id)
+                if gen is not None:
+                    _cancel(gen)
+
+
+def _cancel(gen: Any) -> None:
+    """End the head's side of an abandoned stream: an unconsumed Ray generator task would
+    otherwise wait on its queue forever."""
+    import ray
+
+    try:
+        ray.cancel(gen)
+    except Exception:
+        log.debug("cancel of an abandoned stream failed", exc_info=True)

@@ -12,7 +12,7 @@ from typing import Any, Literal, Union
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
-from epserve.deploy.errors import ApiError, bad_request, from_value_error
+from epserve.deploy.errors import bad_request, from_value_error
 from epserve.head.sampling_params import SamplingParams
 
 #: Bounds beyond SamplingParams's own: choices per prompt, prompts per request, int32/int64.
@@ -54,6 +54,7 @@ class _SamplingRequest(BaseModel):
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
     echo: bool = False
+    return_token_ids: bool = False
     # Accepted at their neutral values only: the engine has no penalties or biases yet.
     presence_penalty: float | None = None
     frequency_penalty: float | None = None
@@ -232,5 +233,5 @@ def sampling_kwargs(req: _SamplingRequest, *, max_tokens: int | None, logprobs: 
     return kw
 
 
-__all__ = ["ApiError", "ChatCompletionRequest", "ChatMessage", "CompletionRequest",
+__all__ = ["ChatCompletionRequest", "ChatMessage", "CompletionRequest",
            "DetokenizeRequest", "TokenizeRequest", "sampling_kwargs", "validate"]

@@ -75,9 +75,11 @@ def serve_main(args: argparse.Namespace) -> int:
     from ray import serve
 
     from epserve.cluster.bringup import init_ray, start_head, stop_head
+    from epserve.cluster.engine_args import check_model_path
     from epserve.deploy.app import build_app
 
     cfg = config_from_args(args)
+    check_model_path(cfg.engine_args().resolved().model)  # one clear line before Ray starts
     joined = bool(os.environ.get("RAY_ADDRESS")) or ray.is_initialized()
     if not joined:
         _check_port_free(args.host, args.port)
@@ -86,7 +88,10 @@ def serve_main(args: argparse.Namespace) -> int:
         _say(f"loading {cfg.engine.model or 'the built-in demo model (random weights)'} ...")
         start_head(cfg.engine_args(), cfg.head_name)
         serve.start(http_options={"host": args.host, "port": args.port})
-        serve.run(build_app(cfg), name=APP_NAME, route_prefix="/", blocking=False)
+        try:
+            serve.run(build_app(cfg), name=APP_NAME, route_prefix="/", blocking=False)
+        except RuntimeError as exc:  # Serve's DeploymentFailed etc.: one line for the CLI
+            raise ValueError(f"deploying the HTTP app failed: {exc}") from exc
         auth = "API key required" if cfg.api_key else "no API key"
         print(f"epserve: serving {cfg.served_model_name!r} at {_url(args.host, args.port)} "
               f"({auth}); Ctrl-C to stop", flush=True)

@@ -172,8 +172,9 @@ class OpenAIServing:
             for c in out.outputs:
                 prefix = self._prompt_text(p) if req.echo else ""
                 lps = self._echo_logprobs(req, p, out, c.token_ids, c.logprobs or [], True, 0)
-                choices.append(R.completion_choice(i * req.n + c.index, prefix + c.text, lps,
-                                                   c.finish_reason, c.stop_reason, plps))
+                choice = R.completion_choice(i * req.n + c.index, prefix + c.text, lps,
+                                             c.finish_reason, c.stop_reason, plps)
+                choices.append(_with_ids(choice, req, c.token_ids, p.ids))
                 n_gen += len(c.token_ids)
         n_prompt = sum(len(p.ids) for p in prompts)
         return head.body(choices=choices, usage=R.usage(n_prompt, n_gen),
@@ -196,7 +197,8 @@ class OpenAIServing:
             plps = R.prompt_logprobs_json(out.prompt_logprobs) \
                 if (d.first and req.prompt_logprobs is not None) else None
             choice = R.completion_choice(d.index, text, lps, d.finish_reason, d.stop_reason, plps)
-            return head.body(choices=[choice], **extra)
+            return head.body(choices=[_with_ids(choice, req, d.token_ids, p.ids, d.first)],
+                             **extra)
 
         return self._sse(fan, tracker, req, chunk, head, want_lp=req.logprobs is not None)
 
@@ -208,7 +210,7 @@ class OpenAIServing:
             for c in opening:
                 yield R.sse(c)
             async for i, out in fan.outputs():
-                for d in tracker.update(i, out, want_lp):
+                for d in tracker.update(i, out, want_lp, req.return_token_ids):
                     yield R.sse(chunk(i, out, d))
             if req.include_usage:
                 yield R.sse(head.body(choices=[], usage=R.usage(
@@ -242,14 +244,15 @@ class OpenAIServing:
                                 t0)
         echo = self._chat_echo(req)
         if req.stream:
-            return self._chat_stream(req, head, fan, echo)
+            return self._chat_stream(req, head, fan, echo, prompt.ids)
         try:
             (out,) = await fan.final()
         finally:
             await fan.close()
-        choices = [R.chat_choice(c.index, echo + c.text, self._chat_lps(req, c.token_ids,
-                                                                        c.logprobs),
-                                 c.finish_reason, c.stop_reason) for c in out.outputs]
+        choices = [_with_ids(R.chat_choice(c.index, echo + c.text,
+                                           self._chat_lps(req, c.token_ids, c.logprobs),
+                                           c.finish_reason, c.stop_reason),
+                             req, c.token_ids, prompt.ids) for c in out.outputs]
         body = head.body(choices=choices, usage=R.usage(
             len(prompt.ids), sum(len(c.token_ids) for c in out.outputs)),
             system_fingerprint=None)
@@ -271,7 +274,7 @@ class OpenAIServing:
         return R.chat_logprobs(ids, lps or [], req.top_logprobs or 0)
 
     def _chat_stream(self, req: ChatCompletionRequest, head: R.Head, fan: Fanout,
-                     echo: str) -> AsyncIterator[str]:
+                     echo: str, prompt_ids: list[int]) -> AsyncIterator[str]:
         head = R.Head(head.id, "chat.completion.chunk", head.model, head.created)
         extra = {"usage": None} if req.include_usage else {}
         opening = [head.body(choices=[R.chat_delta(k, {"role": "assistant", "content": ""})],
@@ -282,8 +285,9 @@ class OpenAIServing:
             text = (echo + d.text) if d.first else d.text
             delta = {"content": text} if (text or not d.finish_reason) else {}
             lps = self._chat_lps(req, d.token_ids, d.logprobs)
-            return head.body(choices=[R.chat_delta(d.index, delta, lps, d.finish_reason,
-                                                   d.stop_reason)], **extra)
+            choice = R.chat_delta(d.index, delta, lps, d.finish_reason, d.stop_reason)
+            return head.body(choices=[_with_ids(choice, req, d.token_ids, prompt_ids, d.first)],
+                             **extra)
 
         return self._sse(fan, tracker, req, chunk, head, want_lp=bool(req.logprobs),
                          opening=opening)
@@ -314,4 +318,17 @@ class OpenAIServing:
         self.check_model(req.model)
         self._need_tokenizer("detokenize", "tokens")
         self._check_ids(req.tokens, "tokens")
-        return {"prompt": self._decode(req.tokens)}
+        try:
+            return {"prompt": self._decode(req.tokens)}
+        except Exception as exc:  # ids the model has but its tokenizer does not
+            raise bad_request(f"tokens: cannot decode them: {exc}", param="tokens") from None
+
+
+def _with_ids(choice: dict[str, Any], req: Any, token_ids: Sequence[int],
+              prompt_ids: Sequence[int], with_prompt: bool = True) -> dict[str, Any]:
+    """vLLM's ``return_token_ids``: the choice's (new) token ids, and the prompt's once."""
+    if req.return_token_ids:
+        choice["token_ids"] = list(token_ids)
+        if with_prompt:
+            choice["prompt_token_ids"] = list(prompt_ids)
+    return choice

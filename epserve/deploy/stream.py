@@ -130,10 +130,11 @@ class DeltaTracker:
     def completion_tokens(self) -> int:
         return sum(self.num_tokens)
 
-    def update(self, prompt_index: int, out: RequestOutput, want_logprobs: bool) -> list[Delta]:
+    def update(self, prompt_index: int, out: RequestOutput, want_logprobs: bool,
+               want_ids: bool = False) -> list[Delta]:
         """The deltas of ``out`` (cumulative), in completion order; choices that gained
         nothing are left out (a choice with new tokens but no new text is kept when logprobs
-        are wanted, so every token's logprob is sent)."""
+        or token ids are wanted, so every token is sent as soon as it exists)."""
         self.prompt_tokens[prompt_index] = len(out.prompt_token_ids)
         deltas = []
         for c in out.outputs:
@@ -144,7 +145,7 @@ class DeltaTracker:
             ids = c.token_ids[self.num_tokens[k]:]
             lps = c.logprobs[self.num_tokens[k]:] if want_logprobs and c.logprobs else None
             reason = c.finish_reason if c.finish_reason in ("stop", "length") else None
-            if not (text or reason or (want_logprobs and ids)):
+            if not (text or reason or ((want_logprobs or want_ids) and ids)):
                 continue
             deltas.append(Delta(k, text, list(ids), lps, reason,
                                 c.stop_reason if reason else None, not self.sent_any[k]))

@@ -149,12 +149,10 @@ class AsyncEngine:
 def engine_snapshot(eng: Engine, dead: str | None) -> EngineSnapshot:
     """The engine's counters now (call with the engine idle or its lock held)."""
     sched = eng.scheduler
-    model = eng.model
-    total = model.num_total_blocks() or 1
     return EngineSnapshot(
         healthy=dead is None, reason=dead,
         num_running=len(sched.running), num_waiting=len(sched.waiting),
-        kv_usage=1.0 - model.num_free_blocks() / total,
+        kv_usage=eng.model.kv_cache_usage(),
         prompt_tokens=eng.stats.prompt_tokens, generation_tokens=eng.stats.generation_tokens,
         num_preemptions=sched.num_preemptions, finished=dict(eng.stats.finished))
 

@@ -183,6 +183,25 @@ class Scheduler:
 
     # ------------------------------------------------------------------ admission
 
+    def _first_chunk(self, state, num_tokens: int, budget: int) -> int:
+        """Reserve KV for a new sequence's first chunk: as much of the prompt as the budget,
+        the chunk cap and the pool allow; 0 when not even one token fits."""
+        n = min(num_tokens - state.seq_len, budget)
+        cap = self.cfg.long_prefill_token_threshold
+        if cap:
+            n = min(n, cap)
+        bs, rank = self.block_size, state.rank
+        while not self.model.reserve_blocks(state, state.seq_len + n):
+            free = self.model.num_free_blocks(rank)
+            room = (len(state.block_table) + free) * bs - state.seq_len
+            if 1 <= room < n:
+                n = room  # a smaller chunk fits now; the rest comes in later steps
+                continue
+            short = -(-(state.seq_len + n) // bs) - len(state.block_table) - free
+            if self.model.reclaim_prefix_blocks(max(short, 1)) == 0:
+                return 0
+        return n
+
     def _admit(self, plan: StepPlan, budget: int) -> None:
         while self.waiting and budget > 0 and len(self.running) < self.cfg.max_num_seqs:
             seq = self.waiting[0]
@@ -193,12 +212,11 @@ class Scheduler:
                 plan.failed.append((seq, f"the sequence needs {len(tokens)} tokens of KV "
                                          f"cache, more than the whole pool holds"))
                 continue
-            first = min(len(tokens), budget)
-            need = -(-first // self.block_size)
             if self.cfg.enable_prefix_caching and not seq.request.wants_prompt_logprobs:
-                reclaim = self.model.reclaim_prefix_blocks_for(tokens, -1, need)
-                if reclaim.free < reclaim.target:
-                    break
+                # frees cached blocks other than the prompt's own prefix (and, over EP, picks
+                # the rank); what is still short is handled by shrinking the first chunk
+                self.model.reclaim_prefix_blocks_for(tokens, -1, -(-min(len(tokens), budget)
+                                                                  // self.block_size))
             state = self.model.alloc_sequence_for(seq.request.max_budget)
             if seq.request.wants_prompt_logprobs:
                 state.collect_prompt_logprobs = seq.request.params.prompt_logprobs
@@ -211,8 +229,8 @@ class Scheduler:
                     seq.request.num_cached_tokens = max(seq.request.num_cached_tokens,
                                                         state.reused_prefix_tokens)
             seq.state = state
-            n = min(len(tokens) - state.seq_len, budget)
-            if not self.model.reserve_blocks(state, state.seq_len + n):
+            n = self._first_chunk(state, len(tokens), budget)
+            if n == 0:
                 self.model.free_sequence(state)
                 seq.state = None
                 break

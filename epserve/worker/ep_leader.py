@@ -176,6 +176,10 @@ class EpLeaderRunner:
             return self.pools[rank].num_total_blocks()
         return sum(p.num_total_blocks() for p in self.pools)
 
+    def kv_cache_usage(self) -> float:
+        """Blocks held by sequences over all ranks / all blocks."""
+        return sum(p.usage() for p in self.pools) / len(self.pools)
+
     def reclaim_prefix_blocks(self, num_blocks: int) -> int:
         # ``reserve_blocks`` already reclaimed from the pool that was short; evicting other
         # ranks' caches would not help that sequence.

@@ -178,6 +178,10 @@ class Runner:
     def num_total_blocks(self, rank: int | None = None) -> int:
         return self.pool.num_total_blocks()
 
+    def kv_cache_usage(self) -> float:
+        """Blocks held by sequences / all blocks (cached free blocks count as free)."""
+        return self.pool.usage()
+
     def reclaim_prefix_blocks(self, num_blocks: int) -> int:
         return self.pool.reclaim_prefix_blocks(num_blocks)
 

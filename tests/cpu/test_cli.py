@@ -126,9 +126,9 @@ def test_empty_prompt_exits_2(env):
     assert "prompt" in line and "empty" in line
 
 
-def test_serve_says_it_is_not_available(env):
-    line = _one_error_line(_run(env, "serve", script=True))
-    assert "not available" in line and "epserve generate" in line
+def test_serve_with_a_missing_model_exits_2_naming_it(env):
+    line = _one_error_line(_run(env, "serve", "--model", "/nonexistent/ckpt", script=True))
+    assert "/nonexistent/ckpt" in line
 
 
 def test_usage_errors_are_argparse_status_2(env):

@@ -105,3 +105,23 @@ def test_requests_arriving_mid_run(qwen3_ckpt):
             if out.finished:
                 finished[out.request_id] = out
     _check_against_hf(qwen3_ckpt, prompts, [finished[r] for r in order])
+
+
+def test_tight_pool_with_prefix_hits_and_small_chunks_does_not_stall(qwen3_ckpt):
+    """A pool so small that a new prompt's first chunk only fits after shrinking it, with
+    shared prefixes and capped chunks: every request finishes, with transformers' tokens."""
+    import threading
+
+    rng = random.Random(5)
+    shared = [rng.randrange(3, 300) for _ in range(13)]
+    own = [[rng.randrange(3, 300) for _ in range(n)] for n in (3, 9, 17, 4, 28, 6, 11, 22)]
+    prompts = [shared + p if i % 2 else p for i, p in enumerate(own)]
+    llm = LLM(model=str(qwen3_ckpt), dtype="float32", block_size=4, num_kv_blocks=40,
+              max_num_batched_tokens=24, long_prefill_token_threshold=8)
+    box = {}
+    th = threading.Thread(target=lambda: box.setdefault("outs", llm.generate(
+        [{"prompt_token_ids": p} for p in prompts], _greedy())), daemon=True)
+    th.start()
+    th.join(timeout=120)
+    assert not th.is_alive(), "generate stalled"
+    _check_against_hf(qwen3_ckpt, prompts, box["outs"])

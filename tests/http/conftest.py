@@ -1,0 +1,59 @@
+"""A live epserve server for the HTTP tests: Ray Serve on 127.0.0.1 and a free port, started
+once per session over the demo model, with an API key; and the offline LLM to compare with."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+from serverkit import API_KEY, APP_NAME, HEAD_NAME, Server, free_port
+
+
+_HERE = Path(__file__).parent
+_CLEANUPS: list = []
+
+
+def _cleanup() -> None:
+    while _CLEANUPS:
+        _CLEANUPS.pop()()
+
+
+def pytest_runtest_teardown(item, nextitem):
+    """Stop the server after the last HTTP test, not at the end of the whole session: the
+    tests of other folders should not share the machine with an idle Serve app."""
+    if nextitem is None or _HERE not in Path(str(nextitem.path)).parents:
+        _cleanup()
+
+
+@pytest.fixture(scope="session")
+def server(ray_cluster, demo_model_dir) -> Server:
+    from ray import serve
+
+    from epserve.cluster.bringup import stop_head
+    from epserve.deploy.app import build_app
+
+    port = free_port()
+    serve.start(http_options={"host": "127.0.0.1", "port": port})
+    app = build_app({"model": str(demo_model_dir), "dtype": "float32", "seed": 0,
+                     "served_model_name": "demo", "api_key": API_KEY, "head_name": HEAD_NAME,
+                     "max_body_bytes": 1 << 20})
+    _CLEANUPS.append(lambda: stop_head(HEAD_NAME))
+    _CLEANUPS.append(serve.shutdown)
+    serve.run(app, name=APP_NAME, route_prefix="/", blocking=False)
+    yield Server(f"http://127.0.0.1:{port}", "demo", API_KEY)
+    _cleanup()
+
+
+@pytest.fixture(scope="session")
+def offline_llm(demo_model_dir):
+    """The offline API over the same folder and options as the server's engine."""
+    from epserve import LLM
+
+    return LLM(model=str(demo_model_dir), dtype="float32", seed=0)
+
+
+@pytest.fixture(scope="session")
+def client(server):
+    import openai
+
+    return openai.OpenAI(base_url=server.v1, api_key=server.api_key, max_retries=0, timeout=120)

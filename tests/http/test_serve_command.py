@@ -1,0 +1,78 @@
+"""`epserve serve` (``serve_main``) in a subprocess over a tiny checkpoint that ships no
+tokenizer: it prints its URL, serves token-id prompts, refuses text prompts with a clear 400,
+and on SIGTERM removes everything and exits 0."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+
+import pytest
+import requests
+from serverkit import free_port, wait_for
+
+_MAIN = """
+import sys
+from epserve.deploy.cli import _parser
+from epserve.deploy.server import serve_main
+sys.exit(serve_main(_parser().parse_args(sys.argv[1:])))
+"""
+
+
+@pytest.mark.slow
+def test_serve_main_over_a_tokenizer_less_checkpoint(qwen3_ckpt, tmp_path):
+    port = free_port()
+    env = {k: v for k, v in os.environ.items() if k not in ("RAY_ADDRESS", "EPSERVE_API_KEY")}
+    env.update(RAY_AUTH_MODE="disabled", RAY_USAGE_STATS_ENABLED="0", PYTHONUNBUFFERED="1")
+    out = open(tmp_path / "stdout.log", "w")
+    err = open(tmp_path / "stderr.log", "w")
+    proc = subprocess.Popen(
+        [sys.executable, "-c", _MAIN, "serve", "--model", str(qwen3_ckpt), "--dtype", "float32",
+         "--port", str(port), "--served-model-name", "tiny", "--max-num-seqs", "8"],
+        stdout=out, stderr=err, env=env)
+    base = f"http://127.0.0.1:{port}"
+    try:
+        def up():
+            assert proc.poll() is None, (tmp_path / "stderr.log").read_text()[-3000:]
+            return f"{base}/v1" in (tmp_path / "stdout.log").read_text()
+        assert wait_for(up, timeout_s=240, every_s=1), "never printed its URL"
+        r = requests.post(base + "/v1/completions", timeout=60, json={
+            "model": "tiny", "prompt": [5, 6, 7], "max_tokens": 4, "temperature": 0,
+            "logprobs": 1, "return_token_ids": True})
+        assert r.status_code == 200, r.text
+        body = r.json()
+        assert body["usage"]["completion_tokens"] == 4
+        choice = body["choices"][0]
+        assert len(choice["logprobs"]["token_logprobs"]) == 4
+        assert len(choice["token_ids"]) == 4 and choice["prompt_token_ids"] == [5, 6, 7]
+        r = requests.post(base + "/v1/completions", timeout=60, stream=True, json={
+            "model": "tiny", "prompt": [5, 6, 7], "max_tokens": 4, "temperature": 0,
+            "return_token_ids": True, "stream": True})
+        streamed = [json.loads(line[6:]) for line in r.iter_lines()
+                    if line.startswith(b"data: {")]
+        assert [t for ch in streamed for t in ch["choices"][0]["token_ids"]] == \
+            choice["token_ids"]
+        r = requests.post(base + "/v1/completions", timeout=60, json={
+            "model": "tiny", "prompt": "text needs a tokenizer", "max_tokens": 4})
+        assert r.status_code == 400 and "no tokenizer" in r.json()["error"]["message"]
+        assert r.json()["error"]["param"] == "prompt"
+        r = requests.post(base + "/v1/chat/completions", timeout=60, json={
+            "model": "tiny", "messages": [{"role": "user", "content": "hi"}]})
+        assert r.status_code == 400 and r.json()["error"]["param"] == "messages"
+        r = requests.post(base + "/v1/completions", timeout=60, json={
+            "model": "tiny", "prompt": [[1, 2], [320]], "max_tokens": 2})
+        assert r.status_code == 400 and "not a token id" in r.json()["error"]["message"]
+    finally:
+        if proc.poll() is None:
+            proc.send_signal(signal.SIGTERM)
+        try:
+            rc = proc.wait(90)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            rc = proc.wait(10)
+        out.close()
+        err.close()
+    assert rc == 0, (tmp_path / "stderr.log").read_text()[-3000:]
