@@ -172,7 +172,7 @@ def test_dummy_format_builds_a_working_model_from_config_only(base_ckpts, tmp_pa
     model, cfg = _load(tmp_path, load_format="dummy", config_overrides={"num_layers": 3})
     assert cfg.num_layers == 3 and len(model.layers) == 3 and not model.training
     assert torch.equal(model.norm.weight, torch.ones(cfg.hidden_size))
-    assert 0.015 < float(model.layers[2].block_sparse_moe.experts.w13.std()) < 0.025
+    assert 0.015 < float(model.layers[2].ffn.experts.w13.std()) < 0.025
     assert not any(p.requires_grad for p in model.parameters())
     logits = _logits(model, cfg, [5, 6, 7, 8, 9])
     assert logits.shape == (5, cfg.vocab_size) and torch.isfinite(logits).all()
@@ -188,7 +188,7 @@ def test_rank_loads_only_its_expert_shard(base_ckpts):
     path = base_ckpts["qwen3_moe"]
     tensors = load_file(path / "model.safetensors")
     model, cfg = _load(path, parallel=ParallelInfo(rank=1, world_size=2))
-    experts = model.layers[1].mlp.experts
+    experts = model.layers[1].ffn.experts
     assert (experts.expert_start, experts.expert_end) == (4, 8)
     assert experts.w13.shape == (4, 2 * cfg.moe_intermediate_size, cfg.hidden_size)
     for j, e in enumerate(range(4, 8)):

@@ -1,0 +1,103 @@
+"""The decoder-only shell both MoE families share: embed, pre-norm blocks, final norm, LM head.
+
+Shapes: T tokens in the flat batch, H hidden, V vocab. Invariants: single-device code; a
+block is x + attn(norm(x)) then x + ffn(norm(x)) with the residual carried through the fused
+add+norm; an architecture file says only what differs (its feed-forward and weight names).
+"""
+
+from __future__ import annotations
+
+from typing import Callable, Iterable
+
+import torch
+from torch import nn
+
+from epserve.kernels.attention import AttentionMetadata
+from epserve.models.config import ModelConfig
+from epserve.models.layers import Attention, RMSNorm, RotaryEmbedding, WeightMap, map_attention
+from epserve.models.parallel import ParallelInfo
+
+KVCache = tuple[torch.Tensor, torch.Tensor]
+
+
+class DecoderLayer(nn.Module):
+    """Pre-norm block around ``self_attn`` and ``ffn`` (a MoE block or a dense MLP)."""
+
+    def __init__(self, cfg: ModelConfig, ffn: nn.Module):
+        super().__init__()
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.self_attn = Attention(cfg)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.ffn = ffn
+
+    def forward(self, positions: torch.Tensor, hidden: torch.Tensor, residual: torch.Tensor | None,
+                kv_cache: KVCache, meta: AttentionMetadata, rope: RotaryEmbedding):
+        """hidden, residual: [T, H] (residual None at the first layer). Returns (hidden, residual)."""
+        if residual is None:
+            residual, hidden = hidden, self.input_layernorm(hidden)
+        else:
+            hidden, residual = self.input_layernorm(hidden, residual)
+        hidden = self.self_attn(positions, hidden, kv_cache, meta, rope)  # [T, H]
+        hidden, residual = self.post_attention_layernorm(hidden, residual)
+        return self.ffn(hidden), residual  # [T, H], [T, H]
+
+
+class DecoderOnlyLM(nn.Module):
+    """Embedding, ``num_layers`` blocks (``make_ffn(i)`` gives block i's feed-forward), final
+    norm, LM head (maybe tied). Subclasses name their feed-forward weights in ``map_ffn``."""
+
+    def __init__(self, cfg: ModelConfig, parallel: ParallelInfo,
+                 make_ffn: Callable[[int], nn.Module]):
+        super().__init__()
+        self.cfg, self.parallel = cfg, parallel
+        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.layers = nn.ModuleList(DecoderLayer(cfg, make_ffn(i)) for i in range(cfg.num_layers))
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        if cfg.tie_word_embeddings:
+            self.lm_head.weight = self.embed_tokens.weight
+        self.rope = RotaryEmbedding(cfg.head_dim, cfg.max_position_embeddings, cfg.rope_theta)
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches: list[KVCache],
+                meta: AttentionMetadata) -> torch.Tensor:
+        """input_ids, positions: [T] int64; kv_caches: one ([NB, BS, Hkv, D], same) per layer.
+
+        Writes this step's K/V into the caches; returns hidden: [T, H] after the final norm.
+        """
+        if len(kv_caches) != len(self.layers):
+            raise ValueError(f"got {len(kv_caches)} kv caches for {len(self.layers)} layers")
+        hidden = self.embed_tokens(input_ids)  # [T, H]
+        residual = None
+        for layer, kv_cache in zip(self.layers, kv_caches):
+            hidden, residual = layer(positions, hidden, residual, kv_cache, meta, self.rope)
+        if residual is None:  # no layers
+            return self.norm(hidden)
+        hidden, _ = self.norm(hidden, residual)
+        return hidden
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """hidden: [R, H]. Returns logits: [R, V] float32."""
+        return self.lm_head(hidden).float()
+
+    def load_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
+        """Copy HF-named tensors in (this rank's experts only); ``CheckpointError`` on a wrong
+        shape or, at the end, on every missing tensor."""
+        self.weight_map().load(named_tensors)
+
+    def weight_map(self) -> WeightMap:
+        cfg = self.cfg
+        wm = WeightMap(cfg.num_layers, cfg.num_experts)
+        wm.add("model.embed_tokens.weight", self.embed_tokens.weight)
+        wm.add("model.norm.weight", self.norm.weight)
+        if not cfg.tie_word_embeddings:
+            wm.add("lm_head.weight", self.lm_head.weight)
+        for i, layer in enumerate(self.layers):
+            p = f"model.layers.{i}"
+            wm.add(f"{p}.input_layernorm.weight", layer.input_layernorm.weight)
+            wm.add(f"{p}.post_attention_layernorm.weight", layer.post_attention_layernorm.weight)
+            map_attention(wm, f"{p}.self_attn", layer.self_attn)
+            self.map_ffn(wm, p, layer.ffn)
+        return wm
+
+    def map_ffn(self, wm: WeightMap, prefix: str, ffn: nn.Module) -> None:
+        raise NotImplementedError
