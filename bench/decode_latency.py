@@ -1,0 +1,82 @@
+"""Batch-1 (and batch-B) decode step time of epserve on one GPU, random bf16 weights.
+
+A first, partial version of the issue-6 benchmark: epserve only (the transformers columns and
+the kernel/graph work come next). Shapes default to Qwen3-30B-A3B. Prints a table last.
+
+    python bench/decode_latency.py [--layers 48] [--batch 1 8] [--steps 32]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+from epserve import LLM, SamplingParams
+
+QWEN3_30B_A3B = {
+    "architectures": ["Qwen3MoeForCausalLM"], "model_type": "qwen3_moe", "vocab_size": 151936,
+    "hidden_size": 2048, "intermediate_size": 6144, "moe_intermediate_size": 768,
+    "num_hidden_layers": 48, "num_attention_heads": 32, "num_key_value_heads": 4,
+    "head_dim": 128, "num_experts": 128, "num_experts_per_tok": 8, "norm_topk_prob": True,
+    "max_position_embeddings": 4096, "rms_norm_eps": 1e-6, "rope_theta": 1000000.0,
+    "tie_word_embeddings": False, "torch_dtype": "bfloat16",
+}
+
+
+def active_bytes(cfg: dict) -> float:
+    """Bytes one decode step must read at batch 1 (bf16): attention, 8 experts, router, lm_head."""
+    h, layers = cfg["hidden_size"], cfg["num_hidden_layers"]
+    d, hq, hkv = cfg["head_dim"], cfg["num_attention_heads"], cfg["num_key_value_heads"]
+    attn = h * d * (hq + 2 * hkv) + hq * d * h
+    experts = cfg["num_experts_per_tok"] * 3 * h * cfg["moe_intermediate_size"]
+    router = h * cfg["num_experts"]
+    return 2.0 * (layers * (attn + experts + router) + cfg["vocab_size"] * h)
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--layers", type=int, default=48)
+    ap.add_argument("--batch", type=int, nargs="+", default=[1, 8])
+    ap.add_argument("--steps", type=int, default=32)
+    ap.add_argument("--hbm-gbps", type=float, default=4251.0, help="measured d2d copy GB/s")
+    args = ap.parse_args(argv)
+    cfg = dict(QWEN3_30B_A3B, num_hidden_layers=args.layers)
+    folder = Path(tempfile.mkdtemp())
+    (folder / "config.json").write_text(json.dumps(cfg))
+    t0 = time.perf_counter()
+    llm = LLM(model=str(folder), dtype="bfloat16", load_format="dummy", device="cuda",
+              max_model_len=2048, num_kv_blocks=4096)
+    load_s = time.perf_counter() - t0
+    floor_ms = active_bytes(cfg) / (args.hbm_gbps * 1e9) * 1e3
+    rows = []
+    for b in args.batch:
+        prompts = [{"prompt_token_ids": [(7 * i + j) % 1000 + 5 for j in range(16)]}
+                   for i in range(b)]
+        warm = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True)
+        llm.generate(prompts, warm)
+        sp = SamplingParams(temperature=0.0, max_tokens=args.steps + 1, ignore_eos=True)
+        torch.cuda.synchronize()
+        t = time.perf_counter()
+        llm.generate(prompts, sp)
+        torch.cuda.synchronize()
+        total = time.perf_counter() - t
+        # one prefill step + args.steps decode steps; the prefill of 16 tokens is small
+        step_ms = total / (args.steps + 1) * 1e3
+        rows.append((b, step_ms, b * 1e3 / step_ms))
+    print(f"\nmodel: Qwen3-30B-A3B shape, {args.layers} layers, random bf16, load {load_s:.1f} s; "
+          f"HBM floor at batch 1: {floor_ms:.2f} ms ({active_bytes(cfg) / 1e9:.2f} GB)")
+    print("| batch | step ms | out tok/s | floor / step |")
+    print("|---:|---:|---:|---:|")
+    for b, ms, tps in rows:
+        print(f"| {b} | {ms:.2f} | {tps:.1f} | {floor_ms / ms:.3f} |")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
