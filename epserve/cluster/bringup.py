@@ -48,11 +48,12 @@ def placement_device(device: str) -> str:
 
 
 def start_head(args: EngineArgs, name: str = HEAD_NAME, timeout_s: float = 600.0,
-               strategy: str = "STRICT_PACK", detached: bool = True) -> Any:
+               detached: bool = True) -> Any:
     """The named HeadActor for ``args`` (created when absent) once its model is loaded.
 
-    With ``ep_size`` N > 1 a placement group of N bundles (``strategy``: STRICT_PACK on one
-    node, or SPREAD) holds the head in bundle 0 and EP ranks 1..N-1 in the others."""
+    With ``ep_size`` N > 1 a placement group of N bundles (``args.placement_strategy``:
+    STRICT_PACK on one node by default, or SPREAD) holds the head in bundle 0 and EP ranks
+    1..N-1 in the others."""
     import ray
     from ray.util.placement_group import placement_group
     from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
@@ -60,9 +61,8 @@ def start_head(args: EngineArgs, name: str = HEAD_NAME, timeout_s: float = 600.0
     from epserve.cluster.ep_group import bundle
     from epserve.cluster.head_actor import HeadActor
 
-    if strategy not in ("STRICT_PACK", "PACK", "SPREAD", "STRICT_SPREAD"):
-        raise ValueError(f"placement strategy {strategy!r} is not a Ray strategy")
     args = args.resolved()
+    strategy = args.placement_strategy
     # refused here, before Ray or any actor starts, with the loader's own message
     check_model_path(args.model)
     if args.ep_size > 1:

@@ -38,12 +38,16 @@ class EngineArgs:
     load_format: str = "auto"
     seed: int = 0
     ep_size: int = 1
+    placement_strategy: str = "STRICT_PACK"
 
     def __post_init__(self) -> None:
         for name in ("block_size", "max_num_seqs", "max_num_batched_tokens", "ep_size"):
             v = getattr(self, name)
             if isinstance(v, bool) or not isinstance(v, int) or v < 1:
                 raise ValueError(f"{name} must be a positive integer, got {v!r}")
+        if self.placement_strategy not in ("STRICT_PACK", "PACK", "SPREAD", "STRICT_SPREAD"):
+            raise ValueError(f"placement_strategy must be STRICT_PACK, PACK, SPREAD or "
+                             f"STRICT_SPREAD, got {self.placement_strategy!r}")
         for name in ("max_model_len", "num_kv_blocks"):
             v = getattr(self, name)
             if v is not None and (isinstance(v, bool) or not isinstance(v, int) or v < 1):

@@ -27,6 +27,9 @@ def _engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--no-prefix-caching", action="store_true")
     p.add_argument("--load-format", default="auto", choices=["auto", "safetensors", "dummy"])
     p.add_argument("--ep-size", type=int, default=1, help="expert-parallel ranks")
+    p.add_argument("--placement-strategy", default="STRICT_PACK",
+                   choices=["STRICT_PACK", "PACK", "SPREAD", "STRICT_SPREAD"],
+                   help="how the EP ranks' placement group is laid out on the Ray cluster")
     p.add_argument("--seed", type=int, default=0)
 
 
@@ -68,7 +71,7 @@ def _llm(args: argparse.Namespace):
                max_num_batched_tokens=args.max_num_batched_tokens,
                num_kv_blocks=args.num_kv_blocks, block_size=args.block_size,
                enable_prefix_caching=not args.no_prefix_caching, load_format=args.load_format,
-               ep_size=args.ep_size, seed=args.seed)
+               ep_size=args.ep_size, placement_strategy=args.placement_strategy, seed=args.seed)
 
 
 def _generate(args: argparse.Namespace) -> int:
