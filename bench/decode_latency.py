@@ -1,9 +1,10 @@
 """Batch-1 (and batch-B) decode step time of epserve on one GPU, random bf16 weights.
 
-A first, partial version of the issue-6 benchmark: epserve only (the transformers columns and
-the kernel/graph work come next). Shapes default to Qwen3-30B-A3B. Prints a table last.
+Shapes default to Qwen3-30B-A3B. With ``--with-transformers`` the same config (random bf16)
+runs through transformers ``generate`` at batch 1 first, in the same process, and the table
+gets its step time and the ratio. Prints a table last.
 
-    python bench/decode_latency.py [--layers 48] [--batch 1 8] [--steps 32]
+    python bench/decode_latency.py [--layers 48] [--batch 1 8] [--steps 32] [--with-transformers]
 """
 
 from __future__ import annotations
@@ -39,19 +40,45 @@ def active_bytes(cfg: dict) -> float:
     return 2.0 * (layers * (attn + experts + router) + cfg["vocab_size"] * h)
 
 
+def transformers_step_ms(cfg: dict, steps: int) -> float:
+    """transformers ``generate`` at batch 1 on the same config (random bf16 weights)."""
+    import gc
+
+    from transformers import AutoModelForCausalLM, Qwen3MoeConfig
+
+    hf_cfg = Qwen3MoeConfig(**{k: v for k, v in cfg.items()
+                               if k not in ("architectures", "model_type", "torch_dtype")})
+    with torch.device("cuda"):
+        model = AutoModelForCausalLM.from_config(hf_cfg, dtype=torch.bfloat16).eval()
+    ids = torch.randint(5, 1000, (1, 16), device="cuda")
+    kw = dict(do_sample=False, eos_token_id=None, pad_token_id=0)
+    model.generate(ids, max_new_tokens=4, min_new_tokens=4, **kw)
+    torch.cuda.synchronize()
+    t = time.perf_counter()
+    model.generate(ids, max_new_tokens=steps, min_new_tokens=steps, **kw)
+    torch.cuda.synchronize()
+    ms = (time.perf_counter() - t) / steps * 1e3
+    del model
+    gc.collect()
+    torch.cuda.empty_cache()
+    return ms
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--layers", type=int, default=48)
     ap.add_argument("--batch", type=int, nargs="+", default=[1, 8])
     ap.add_argument("--steps", type=int, default=32)
     ap.add_argument("--hbm-gbps", type=float, default=4251.0, help="measured d2d copy GB/s")
+    ap.add_argument("--with-transformers", action="store_true")
     args = ap.parse_args(argv)
     cfg = dict(QWEN3_30B_A3B, num_hidden_layers=args.layers)
+    hf_ms = transformers_step_ms(cfg, args.steps) if args.with_transformers else None
     folder = Path(tempfile.mkdtemp())
     (folder / "config.json").write_text(json.dumps(cfg))
     t0 = time.perf_counter()
     llm = LLM(model=str(folder), dtype="bfloat16", load_format="dummy", device="cuda",
-              max_model_len=2048, num_kv_blocks=4096)
+              max_model_len=2048)  # KV pool sized by gpu_memory_utilization
     load_s = time.perf_counter() - t0
     floor_ms = active_bytes(cfg) / (args.hbm_gbps * 1e9) * 1e3
     rows = []
@@ -71,10 +98,14 @@ def main(argv: list[str] | None = None) -> int:
         rows.append((b, step_ms, b * 1e3 / step_ms))
     print(f"\nmodel: Qwen3-30B-A3B shape, {args.layers} layers, random bf16, load {load_s:.1f} s; "
           f"HBM floor at batch 1: {floor_ms:.2f} ms ({active_bytes(cfg) / 1e9:.2f} GB)")
-    print("| batch | step ms | out tok/s | floor / step |")
-    print("|---:|---:|---:|---:|")
+    if hf_ms is not None:
+        print(f"transformers generate, batch 1, same run: {hf_ms:.2f} ms per token")
+    print("| batch | step ms | out tok/s | floor / step | transformers ms (batch 1) | speedup |")
+    print("|---:|---:|---:|---:|---:|---:|")
     for b, ms, tps in rows:
-        print(f"| {b} | {ms:.2f} | {tps:.1f} | {floor_ms / ms:.3f} |")
+        hf = f"{hf_ms:.2f}" if hf_ms is not None and b == 1 else "-"
+        ratio = f"{hf_ms / ms:.2f}x" if hf_ms is not None and b == 1 else "-"
+        print(f"| {b} | {ms:.2f} | {tps:.1f} | {floor_ms / ms:.3f} | {hf} | {ratio} |")
     return 0
 
 

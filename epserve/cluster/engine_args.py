@@ -39,12 +39,16 @@ class EngineArgs:
     seed: int = 0
     ep_size: int = 1
     placement_strategy: str = "STRICT_PACK"
+    gpu_memory_utilization: float = 0.9
 
     def __post_init__(self) -> None:
         for name in ("block_size", "max_num_seqs", "max_num_batched_tokens", "ep_size"):
             v = getattr(self, name)
             if isinstance(v, bool) or not isinstance(v, int) or v < 1:
                 raise ValueError(f"{name} must be a positive integer, got {v!r}")
+        g = self.gpu_memory_utilization
+        if isinstance(g, bool) or not isinstance(g, (int, float)) or not 0 < g <= 1:
+            raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {g!r}")
         if self.placement_strategy not in ("STRICT_PACK", "PACK", "SPREAD", "STRICT_SPREAD"):
             raise ValueError(f"placement_strategy must be STRICT_PACK, PACK, SPREAD or "
                              f"STRICT_SPREAD, got {self.placement_strategy!r}")
@@ -79,7 +83,7 @@ class EngineArgs:
             max_model_len=self.max_model_len, block_size=self.block_size,
             num_kv_blocks=self.num_kv_blocks, max_num_seqs=self.max_num_seqs,
             enable_prefix_caching=self.enable_prefix_caching, load_format=self.load_format,
-            seed=self.seed)
+            seed=self.seed, gpu_memory_utilization=float(self.gpu_memory_utilization))
 
 
 def check_model_path(path: str) -> None:

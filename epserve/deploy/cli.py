@@ -23,6 +23,8 @@ def _engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-num-seqs", type=int, default=256)
     p.add_argument("--max-num-batched-tokens", type=int, default=2048)
     p.add_argument("--num-kv-blocks", type=int, default=None)
+    p.add_argument("--gpu-memory-utilization", type=float, default=0.9,
+                   help="fraction of GPU memory for weights + KV cache (CUDA)")
     p.add_argument("--block-size", type=int, default=16)
     p.add_argument("--no-prefix-caching", action="store_true")
     p.add_argument("--load-format", default="auto", choices=["auto", "safetensors", "dummy"])
@@ -71,7 +73,8 @@ def _llm(args: argparse.Namespace):
                max_num_batched_tokens=args.max_num_batched_tokens,
                num_kv_blocks=args.num_kv_blocks, block_size=args.block_size,
                enable_prefix_caching=not args.no_prefix_caching, load_format=args.load_format,
-               ep_size=args.ep_size, placement_strategy=args.placement_strategy, seed=args.seed)
+               ep_size=args.ep_size, placement_strategy=args.placement_strategy, seed=args.seed,
+               gpu_memory_utilization=args.gpu_memory_utilization)
 
 
 def _generate(args: argparse.Namespace) -> int:

@@ -31,8 +31,9 @@ _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torc
 
 @dataclass(frozen=True)
 class RunnerConfig:
-    """How one rank's runner is built. ``num_kv_blocks=None`` sizes the pool from
-    ``kv_cache_bytes`` (CPU) — the CUDA sizing from free memory comes with the GPU work."""
+    """How one rank's runner is built. ``num_kv_blocks=None`` sizes the pool: on CPU from
+    ``kv_cache_bytes``; on CUDA from what ``gpu_memory_utilization`` of the device leaves
+    after the weights (and a reserve for activations)."""
 
     model: str
     dtype: str = "auto"
@@ -41,6 +42,8 @@ class RunnerConfig:
     block_size: int = 16
     num_kv_blocks: int | None = None
     kv_cache_bytes: int = 512 * 2**20
+    gpu_memory_utilization: float = 0.9
+    activation_reserve_bytes: int = 2 * 2**30
     max_num_seqs: int = 256
     enable_prefix_caching: bool = True
     load_format: str = "auto"
@@ -85,7 +88,7 @@ class Runner:
             raise ValueError(f"max_model_len={self.max_model_len} exceeds the model's "
                              f"max_position_embeddings={mc.max_position_embeddings}")
         self.block_size = cfg.block_size
-        self.num_blocks = cfg.num_kv_blocks or self._blocks_from_bytes(cfg.kv_cache_bytes)
+        self.num_blocks = cfg.num_kv_blocks or self._blocks_from_bytes(self._kv_budget())
         shape = (self.num_blocks, self.block_size, mc.num_kv_heads, mc.head_dim)
         self.kv_caches = [(torch.zeros(shape, dtype=self.dtype, device=self.device),
                            torch.zeros(shape, dtype=self.dtype, device=self.device))
@@ -93,6 +96,20 @@ class Runner:
         self.pool = KVPool(self.num_blocks, self.block_size, cfg.enable_prefix_caching)
         self.tables = BlockTables(cfg.max_num_seqs, -(-self.max_model_len // self.block_size))
         self._free_slots = list(range(cfg.max_num_seqs - 1, -1, -1))
+
+    def _kv_budget(self) -> int:
+        """Bytes for the KV cache when ``num_kv_blocks`` is not given."""
+        if self.device.type != "cuda":
+            return self.cfg.kv_cache_bytes
+        free, total = torch.cuda.mem_get_info(self.device)
+        used = total - free  # weights, this process's other tensors, other processes
+        budget = int(total * self.cfg.gpu_memory_utilization) - used \
+            - self.cfg.activation_reserve_bytes
+        if budget <= 0:
+            raise ValueError(f"gpu_memory_utilization={self.cfg.gpu_memory_utilization}: the "
+                             f"weights leave no room for a KV cache ({used / 2**30:.1f} GiB of "
+                             f"{total / 2**30:.1f} GiB in use)")
+        return budget
 
     def _blocks_from_bytes(self, budget: int) -> int:
         mc = self.model_config
