@@ -8,6 +8,7 @@ causal within a sequence, computed in float32 and returned in the query's dtype.
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 
 import torch
@@ -161,5 +162,38 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
     if k_cache.shape[1] != meta.block_size:
         raise ValueError(f"paged_attention: cache block size {k_cache.shape[1]} != "
                          f"meta.block_size {meta.block_size}")
-    # Dispatch point: a Triton kernel for CUDA tensors goes here; the reference runs elsewhere.
+    if _use_triton_decode(q, meta):
+        from epserve.kernels.paged_attention_triton import paged_decode_attention
+
+        return paged_decode_attention(q, k_cache, v_cache, meta.block_tables,
+                                      _seq_lens_tensor(meta, q.device), scale, sliding_window)
     return paged_attention_ref(q, k_cache, v_cache, meta, scale, sliding_window)
+
+
+def _use_triton_decode(q: torch.Tensor, meta: AttentionMetadata) -> bool:
+    """Triton decode kernel: CUDA (or TRITON_INTERPRET=1), triton importable, one row per sequence."""
+    if not (q.is_cuda or os.environ.get("TRITON_INTERPRET") == "1"):
+        return False
+    s = meta.num_seqs
+    if s == 0 or q.shape[0] != s or meta.query_start_loc != tuple(range(s + 1)):
+        return False
+    # Out-of-contract lengths go to the reference, which raises or defines the result.
+    if min(meta.seq_lens) < 1 or max(meta.seq_lens) > meta.block_tables.shape[1] * meta.block_size:
+        return False
+    try:
+        import triton  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+_SEQ_LENS_CACHE: list = [None, None, None]  # [meta, device, tensor]: one step's layers share it
+
+
+def _seq_lens_tensor(meta: AttentionMetadata, device: torch.device) -> torch.Tensor:
+    """``meta.seq_lens`` as a [S] int32 tensor on ``device``, built once per metadata object."""
+    if _SEQ_LENS_CACHE[0] is meta and _SEQ_LENS_CACHE[1] == device:
+        return _SEQ_LENS_CACHE[2]
+    t = torch.tensor(meta.seq_lens, dtype=torch.int32, device=device)
+    _SEQ_LENS_CACHE[:] = [meta, device, t]
+    return t

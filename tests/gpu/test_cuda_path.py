@@ -27,18 +27,20 @@ def _greedy(n: int = NEW) -> SamplingParams:
 
 def test_fp32_on_cuda_matches_transformers(tiny_ckpt):
     prompts = _prompts(8)
-    llm = LLM(model=str(tiny_ckpt), dtype="float32", device="cuda")
+    llm = LLM(model=str(tiny_ckpt), dtype="float32", device="cuda", num_kv_blocks=2048)
     outs = llm.generate([{"prompt_token_ids": p} for p in prompts], _greedy(32))
     for p, o in zip(prompts, outs):
         assert o.outputs[0].token_ids == hf_greedy(tiny_ckpt, p, 32)[0]
 
 
-@pytest.mark.xfail(strict=False, reason="issue 6: measured 2026-12-03 on one H200 with the torch "
-                   "reference ops, 32% (qwen3) and 20% (mixtral) of positions agree; the bar is 99%")
+@pytest.mark.xfail(strict=False, reason="issue 6: measured 2026-12-03 on one H200, 44% (qwen3) and "
+                   "20% (mixtral) of greedy positions agree (the tiny fp32 checkpoints are cast to "
+                   "bf16, and random tiny models have many near-ties); the bar is 99%")
 def test_bf16_on_cuda_agrees_with_cpu_fp32(tiny_ckpt):
     prompts = [{"prompt_token_ids": p} for p in _prompts()]
     ref = LLM(model=str(tiny_ckpt), dtype="float32", device="cpu").generate(prompts, _greedy())
-    got = LLM(model=str(tiny_ckpt), dtype="bfloat16", device="cuda").generate(prompts, _greedy())
+    got = LLM(model=str(tiny_ckpt), dtype="bfloat16", device="cuda",
+              num_kv_blocks=2048).generate(prompts, _greedy())
     same = total = 0
     for a, b in zip(ref, got):
         for x, y in zip(a.outputs[0].token_ids, b.outputs[0].token_ids):

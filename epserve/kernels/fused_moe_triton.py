@@ -1,0 +1,201 @@
+"""Triton fused MoE: align routed pairs by local expert, two grouped GEMMs, combine in float32.
+
+Same contract as ``epserve.kernels.moe.fused_moe_ref`` (the definition):
+x [T, H]; w13 [E, 2I, H] (gate rows then up rows); w2 [E, H, I]; topk_ids [T, K] GLOBAL expert
+ids; topk_weights [T, K]; ids outside ``[expert_offset, expert_offset + E)`` contribute zero.
+
+Pipeline: ``moe_align`` sorts the flat (token, k) pairs ``p = t * K + k`` by local expert and pads
+each expert's group to a multiple of ``block_m`` with the sentinel ``T * K``; GEMM 1 gathers rows
+``x[p // K]`` and writes ``silu(gate) * up`` ([P, I], x.dtype, in sorted order); GEMM 2 reads that
+intermediate, multiplies by the routing weight and scatters float32 rows to ``y[p]``; the combine
+is ``y.view(T, K, H).sum(1)``. Importing this module imports triton; kernels decorated while
+``TRITON_INTERPRET=1`` is set run in the Triton interpreter (CPU tensors allowed).
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+
+def moe_align(topk_ids: torch.Tensor, num_local_experts: int, expert_offset: int,
+              block_m: int) -> tuple[torch.Tensor, torch.Tensor, int]:
+    """Group the routed (token, k) pairs by local expert, padding each group to ``block_m``.
+
+    topk_ids: [T, K] global expert ids. Returns ``(sorted_ids, block_expert, num_pairs)``:
+    sorted_ids [P] int32 holds flat pair indices ``t * K + k`` grouped by local expert (ascending,
+    stable within an expert), each group padded to a multiple of ``block_m`` with ``T * K``;
+    block_expert [P // block_m] int32 is the local expert of each block (-1 = no work);
+    num_pairs is the number of local pairs (non-local pairs are dropped).
+    """
+    device = topk_ids.device
+    flat = topk_ids.reshape(-1).to(torch.int64) - expert_offset
+    sentinel = flat.numel()
+    is_local = (flat >= 0) & (flat < num_local_experts)
+    pair_idx = torch.nonzero(is_local).reshape(-1)  # [n], ascending
+    local_e = flat[pair_idx]
+    order = torch.argsort(local_e, stable=True)
+    sorted_pairs, sorted_e = pair_idx[order], local_e[order]
+    counts = torch.bincount(local_e, minlength=num_local_experts)  # [E]
+    padded = (counts + block_m - 1) // block_m * block_m
+    padded_start = torch.cumsum(padded, 0) - padded
+    start = torch.cumsum(counts, 0) - counts
+    rank = torch.arange(sorted_pairs.numel(), device=device)
+    pos = padded_start[sorted_e] + (rank - start[sorted_e])
+    total = int(padded.sum().item())
+    sorted_ids = torch.full((total,), sentinel, dtype=torch.int32, device=device)
+    sorted_ids[pos] = sorted_pairs.to(torch.int32)
+    block_expert = torch.repeat_interleave(
+        torch.arange(num_local_experts, dtype=torch.int32, device=device), padded // block_m)
+    return sorted_ids, block_expert, int(sorted_pairs.numel())
+
+
+@triton.jit
+def _moe_gemm_kernel(a_ptr, b_ptr, c_ptr, w_ptr, sorted_ids_ptr, block_expert_ptr,
+                     num_slots, top_k, up_offset,
+                     stride_am, stride_ak, stride_be, stride_bn, stride_bk, stride_cm, stride_cn,
+                     N: tl.constexpr, KD: tl.constexpr,
+                     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                     A_BY_PAIR: tl.constexpr, C_BY_PAIR: tl.constexpr, FUSE_SILU: tl.constexpr,
+                     MUL_WEIGHT: tl.constexpr, PRECISION: tl.constexpr):
+    """One [BLOCK_M, BLOCK_N] tile of ``A[rows] @ B[e]^T`` for a block of one expert's pairs.
+
+    Rows of A: ``pair // top_k`` (A_BY_PAIR, i.e. x) or the sorted position (the intermediate).
+    FUSE_SILU: also computes the tile at rows ``up_offset + n`` of B[e] and stores
+    ``silu(gate) * up``. MUL_WEIGHT: scales row by ``w[pair]``. Rows of C: ``pair`` (C_BY_PAIR)
+    or the sorted position. Sentinel pairs (``>= num_slots``) load zeros and are not stored.
+    N and KD (the layer's H / I) are compile-time constants: one compile per layer shape, and
+    the interpreter (numpy 2.x) cannot loop over a runtime bound.
+    """
+    pid_m = tl.program_id(0)
+    pid_n = tl.program_id(1)
+    e = tl.load(block_expert_ptr + pid_m).to(tl.int64)
+    if e < 0:
+        return
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    pair = tl.load(sorted_ids_ptr + offs_m).to(tl.int64)
+    valid = pair < num_slots
+    if A_BY_PAIR:
+        a_rows = pair // top_k
+    else:
+        a_rows = offs_m.to(tl.int64)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    n_mask = offs_n < N
+    offs_k = tl.arange(0, BLOCK_K)
+    a_ptrs = a_ptr + a_rows[:, None] * stride_am + offs_k[None, :] * stride_ak
+    b_ptrs = (b_ptr + e * stride_be + offs_n[None, :].to(tl.int64) * stride_bn
+              + offs_k[:, None] * stride_bk)  # [BLOCK_K, BLOCK_N] view of B[e]^T
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    acc_up = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for k0 in range(0, KD, BLOCK_K):
+        k_mask = offs_k < KD - k0
+        a = tl.load(a_ptrs, mask=valid[:, None] & k_mask[None, :], other=0.0)
+        b_mask = k_mask[:, None] & n_mask[None, :]
+        b = tl.load(b_ptrs, mask=b_mask, other=0.0)
+        acc = tl.dot(a, b, acc, input_precision=PRECISION)
+        if FUSE_SILU:
+            b_up = tl.load(b_ptrs + up_offset * stride_bn, mask=b_mask, other=0.0)
+            acc_up = tl.dot(a, b_up, acc_up, input_precision=PRECISION)
+        a_ptrs += BLOCK_K * stride_ak
+        b_ptrs += BLOCK_K * stride_bk
+    if FUSE_SILU:
+        acc = acc * tl.sigmoid(acc) * acc_up
+    if MUL_WEIGHT:
+        wt = tl.load(w_ptr + pair, mask=valid, other=0.0)
+        acc = acc * wt[:, None]
+    if C_BY_PAIR:
+        c_rows = pair
+    else:
+        c_rows = offs_m.to(tl.int64)
+    c_ptrs = c_ptr + c_rows[:, None] * stride_cm + offs_n[None, :] * stride_cn
+    tl.store(c_ptrs, acc.to(c_ptr.dtype.element_ty), mask=valid[:, None] & n_mask[None, :])
+
+
+_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+
+
+def _pick_block_m(num_pairs: int, num_local: int) -> int:
+    avg = num_pairs / max(num_local, 1)
+    return 16 if avg <= 16 else (32 if avg <= 48 else 64)
+
+
+def _launch(a, b, c, w, sorted_ids, block_expert, n, kd, num_slots, top_k, up_offset, *,
+            block_m, block_n, block_k, a_by_pair, c_by_pair, fuse_silu, mul_weight):
+    grid = (block_expert.numel(), triton.cdiv(n, block_n))
+    precision = "ieee" if a.dtype == torch.float32 else "tf32"
+    _moe_gemm_kernel[grid](
+        a, b, c, w, sorted_ids, block_expert, num_slots, top_k, up_offset,
+        a.stride(0), a.stride(1), b.stride(0), b.stride(1), b.stride(2), c.stride(0), c.stride(1),
+        N=n, KD=kd, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, A_BY_PAIR=a_by_pair,
+        C_BY_PAIR=c_by_pair, FUSE_SILU=fuse_silu, MUL_WEIGHT=mul_weight, PRECISION=precision,
+        num_warps=4)
+
+
+def fused_moe_triton(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_ids: torch.Tensor,
+                     topk_weights: torch.Tensor, expert_offset: int = 0, *,
+                     block_m: int | None = None, block_n: int | None = None,
+                     block_k: int | None = None) -> torch.Tensor:
+    """Triton implementation of ``fused_moe_ref`` (same contract). Returns [T, H] x.dtype.
+
+    block_m / block_n / block_k override the tile sizes (each >= 16, powers of two).
+    """
+    if x.dim() != 2:
+        raise ValueError(f"fused_moe_triton: x must be 2-D [T, H], got {tuple(x.shape)}")
+    if w13.dim() != 3 or w2.dim() != 3:
+        raise ValueError(f"fused_moe_triton: w13 {tuple(w13.shape)} and w2 {tuple(w2.shape)} "
+                         f"must be 3-D [E, 2I, H] and [E, H, I]")
+    t, h = x.shape
+    e, two_i, h13 = w13.shape
+    if h13 != h or two_i % 2 or tuple(w2.shape) != (e, h, two_i // 2):
+        raise ValueError(f"fused_moe_triton: x {tuple(x.shape)}, w13 {tuple(w13.shape)} and w2 "
+                         f"{tuple(w2.shape)} must be [T, H], [E, 2I, H], [E, H, I]")
+    inter = two_i // 2
+    if topk_ids.dim() != 2 or topk_ids.shape != topk_weights.shape or topk_ids.shape[0] != t:
+        raise ValueError(f"fused_moe_triton: topk_ids {tuple(topk_ids.shape)} and topk_weights "
+                         f"{tuple(topk_weights.shape)} must both be [{t}, K]")
+    if topk_ids.dtype not in (torch.int64, torch.int32):
+        raise ValueError(f"fused_moe_triton: topk_ids must be int64 or int32, got {topk_ids.dtype}")
+    if not topk_weights.is_floating_point():
+        raise ValueError(f"fused_moe_triton: topk_weights must be floating, got "
+                         f"{topk_weights.dtype}")
+    if x.dtype not in _DTYPES or w13.dtype != x.dtype or w2.dtype != x.dtype:
+        raise ValueError(f"fused_moe_triton: x, w13, w2 must share one of {_DTYPES}, got "
+                         f"{x.dtype}, {w13.dtype}, {w2.dtype}")
+    if not (w13.is_contiguous() and w2.is_contiguous()):
+        raise ValueError("fused_moe_triton: w13 and w2 must be contiguous")
+    devices = {x.device, w13.device, w2.device, topk_ids.device, topk_weights.device}
+    if len(devices) != 1:
+        raise ValueError(f"fused_moe_triton: all tensors must be on one device, got {devices}")
+    for name, v in (("block_m", block_m), ("block_n", block_n), ("block_k", block_k)):
+        if v is not None and (v < 16 or v & (v - 1)):
+            raise ValueError(f"fused_moe_triton: {name} must be a power of two >= 16, got {v}")
+
+    top_k = topk_ids.shape[1]
+    if t == 0 or top_k == 0 or e == 0:
+        return torch.zeros((t, h), dtype=x.dtype, device=x.device)
+    if block_m is None:  # from the mean pairs per expert if routing were uniform (no sync)
+        block_m = _pick_block_m(t * top_k, e)
+    sorted_ids, block_expert, num_pairs = moe_align(topk_ids, e, expert_offset, block_m)
+    if num_pairs == 0:
+        return torch.zeros((t, h), dtype=x.dtype, device=x.device)
+    x = x.contiguous() if x.stride(-1) != 1 else x
+    weights = topk_weights.reshape(-1).to(torch.float32).contiguous()
+    num_slots = t * top_k
+
+    # GEMM 1: x[p // K] @ w13[e]^T, SiLU(gate) * up -> intermediate in sorted order.
+    inter_buf = torch.empty((sorted_ids.numel(), inter), dtype=x.dtype, device=x.device)
+    bn1 = block_n or min(64, max(16, triton.next_power_of_2(inter)))
+    bk1 = block_k or min(64, max(16, triton.next_power_of_2(h)))
+    _launch(x, w13, inter_buf, weights, sorted_ids, block_expert, inter, h, num_slots, top_k,
+            inter, block_m=block_m, block_n=bn1, block_k=bk1, a_by_pair=True, c_by_pair=False,
+            fuse_silu=True, mul_weight=False)
+
+    # GEMM 2: intermediate @ w2[e]^T * weight -> y[p] (float32); non-local pairs stay zero.
+    y = torch.zeros((num_slots, h), dtype=torch.float32, device=x.device)
+    bn2 = block_n or min(64, max(16, triton.next_power_of_2(h)))
+    bk2 = block_k or min(64, max(16, triton.next_power_of_2(inter)))
+    _launch(inter_buf, w2, y, weights, sorted_ids, block_expert, h, inter, num_slots, top_k,
+            0, block_m=block_m, block_n=bn2, block_k=bk2, a_by_pair=False, c_by_pair=True,
+            fuse_silu=False, mul_weight=True)
+    return y.view(t, top_k, h).sum(1).to(x.dtype)

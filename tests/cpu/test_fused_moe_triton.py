@@ -1,0 +1,166 @@
+"""fused_moe_triton (run in the Triton interpreter on CPU) against fused_moe_ref, plus moe_align.
+
+Tolerances: fp32 atol 1e-4 (abs); fp16 max |err| <= 2e-2 * max |ref|.
+TRITON_INTERPRET=1 is set while triton and the kernel module are imported (triton.jit picks the
+interpreter at decoration time) and, through an autouse fixture, while each test here runs
+(triton also reads it at launch); it is restored otherwise, so other test modules in the same
+session keep running the torch reference on CPU.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+
+import pytest
+
+if importlib.util.find_spec("triton") is None:
+    pytest.skip("triton is not installed", allow_module_level=True)
+
+_prev = os.environ.get("TRITON_INTERPRET")
+os.environ["TRITON_INTERPRET"] = "1"
+try:
+    import triton  # noqa: E402,F401
+
+    from epserve.kernels import fused_moe_triton as fmt  # noqa: E402
+finally:
+    if _prev is None:
+        del os.environ["TRITON_INTERPRET"]
+    else:
+        os.environ["TRITON_INTERPRET"] = _prev
+
+import torch  # noqa: E402
+
+from epserve.kernels.moe import fused_moe, fused_moe_ref  # noqa: E402
+
+
+@pytest.fixture(autouse=True)
+def _interpret(monkeypatch):
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+
+
+def _inputs(t, h, i, e_total, k, dtype, seed, e_local=None):
+    g = torch.Generator().manual_seed(seed)
+    e_local = e_total if e_local is None else e_local
+    x = torch.randn(t, h, generator=g).to(dtype)
+    w13 = (torch.randn(e_local, 2 * i, h, generator=g) / h ** 0.5).to(dtype)
+    w2 = (torch.randn(e_local, h, i, generator=g) / i ** 0.5).to(dtype)
+    scores = torch.rand(t, e_total, generator=g)
+    topk_weights, topk_ids = torch.topk(torch.softmax(scores, -1), k, dim=-1)
+    return x, w13, w2, topk_ids.to(torch.int64), topk_weights.float()
+
+
+def _check(got, ref, dtype):
+    assert got.shape == ref.shape and got.dtype == ref.dtype
+    if ref.numel() == 0:
+        return
+    err = (got.float() - ref.float()).abs().max().item()
+    if dtype == torch.float32:
+        assert err <= 1e-4, err
+    else:
+        scale = ref.float().abs().max().item()
+        assert err <= 2e-2 * max(scale, 1e-6), (err, scale)
+
+
+# (T, H, I, E, K, block_m)
+SHAPES = [
+    (1, 32, 16, 4, 2, 16),     # single token
+    (20, 32, 16, 8, 2, 16),    # T not a multiple of block_m; some experts get no tokens
+    (13, 24, 12, 6, 3, 32),    # H, I not powers of two; block_m > pairs per expert
+    (5, 16, 16, 16, 1, 16),    # K=1, most experts empty
+]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=["fp32", "fp16"])
+@pytest.mark.parametrize("shape", SHAPES, ids=lambda s: "T{}H{}I{}E{}K{}bm{}".format(*s))
+def test_matches_ref(shape, dtype):
+    t, h, i, e, k, bm = shape
+    x, w13, w2, ids, wts = _inputs(t, h, i, e, k, dtype, seed=t * 31 + h)
+    got = fmt.fused_moe_triton(x, w13, w2, ids, wts, block_m=bm)
+    _check(got, fused_moe_ref(x, w13, w2, ids, wts), dtype)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=["fp32", "fp16"])
+def test_expert_offset_shard(dtype):
+    # 8 global experts, this shard holds experts 3..5: the rest must contribute zero.
+    t, h, i, k = 11, 32, 16, 2
+    x, _, _, ids, wts = _inputs(t, h, i, 8, k, dtype, seed=7)
+    _, w13, w2, _, _ = _inputs(t, h, i, 8, k, dtype, seed=8, e_local=3)
+    local = (ids >= 3) & (ids < 6)
+    assert local.any() and (~local).any()
+    got = fmt.fused_moe_triton(x, w13, w2, ids, wts, expert_offset=3)
+    ref = fused_moe_ref(x, w13, w2, ids, wts, expert_offset=3)
+    _check(got, ref, dtype)
+    assert torch.all(got[~local.any(1)] == 0)  # tokens with no local expert get exactly zero
+
+
+def test_no_local_pairs_and_empty():
+    x, w13, w2, ids, wts = _inputs(4, 16, 16, 4, 2, torch.float32, seed=1)
+    got = fmt.fused_moe_triton(x, w13, w2, ids, wts, expert_offset=100)
+    assert got.shape == (4, 16) and torch.all(got == 0)
+    got = fmt.fused_moe_triton(x[:0], w13, w2, ids[:0], wts[:0])
+    assert got.shape == (0, 16) and got.dtype == torch.float32
+
+
+def test_int32_ids_and_default_blocks():
+    x, w13, w2, ids, wts = _inputs(9, 32, 16, 4, 2, torch.float32, seed=2)
+    got = fmt.fused_moe_triton(x, w13, w2, ids.to(torch.int32), wts)
+    _check(got, fused_moe_ref(x, w13, w2, ids, wts), torch.float32)
+
+
+def test_fused_moe_dispatches_under_interpret(monkeypatch):
+    x, w13, w2, ids, wts = _inputs(6, 16, 16, 4, 2, torch.float32, seed=3)
+    calls = []
+    real = fmt.fused_moe_triton
+    monkeypatch.setattr(fmt, "fused_moe_triton", lambda *a, **kw: calls.append(1) or real(*a, **kw))
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    ref = fused_moe(x, w13, w2, ids, wts)
+    assert not calls  # CPU without the interpreter: the reference
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    got = fused_moe(x, w13, w2, ids, wts)
+    assert calls == [1]
+    _check(got, ref, torch.float32)
+
+
+def test_wrapper_rejects_bad_inputs():
+    x, w13, w2, ids, wts = _inputs(4, 16, 16, 4, 2, torch.float32, seed=4)
+    with pytest.raises(ValueError, match="2-D"):
+        fmt.fused_moe_triton(x[None], w13, w2, ids, wts)
+    with pytest.raises(ValueError, match="share"):
+        fmt.fused_moe_triton(x, w13.half(), w2, ids, wts)
+    with pytest.raises(ValueError, match="int64 or int32"):
+        fmt.fused_moe_triton(x, w13, w2, ids.float(), wts)
+    with pytest.raises(ValueError, match="contiguous"):
+        fmt.fused_moe_triton(x, w13.transpose(1, 2).contiguous().transpose(1, 2), w2, ids, wts)
+    with pytest.raises(ValueError, match=r"\[E, 2I, H\]"):
+        fmt.fused_moe_triton(x, w13[:, :-1], w2, ids, wts)
+    with pytest.raises(ValueError, match="topk_ids"):
+        fmt.fused_moe_triton(x, w13, w2, ids[:-1], wts[:-1])
+
+
+def test_moe_align():
+    g = torch.Generator().manual_seed(5)
+    t, k, e, off, bm = 10, 3, 5, 2, 16
+    ids = torch.randint(0, 9, (t, k), generator=g)
+    sorted_ids, block_expert, n = fmt.moe_align(ids, e, off, bm)
+    flat = ids.reshape(-1) - off
+    local = torch.nonzero((flat >= 0) & (flat < e)).reshape(-1)
+    assert sorted_ids.dtype == torch.int32 and block_expert.dtype == torch.int32
+    assert n == local.numel()
+    assert sorted_ids.numel() % bm == 0 and block_expert.numel() == sorted_ids.numel() // bm
+    real = sorted_ids[sorted_ids != t * k].long()
+    assert sorted(real.tolist()) == local.tolist()  # every local pair exactly once, no others
+    assert torch.all((sorted_ids >= 0) & (sorted_ids <= t * k))
+    for b, ex in enumerate(block_expert.tolist()):
+        blk = sorted_ids[b * bm:(b + 1) * bm].long()
+        pairs = blk[blk != t * k]
+        assert ex >= 0 and pairs.numel() > 0  # no empty blocks are emitted by this layout
+        assert torch.all(flat[pairs] == ex)
+        # a group's real pairs come first, then its sentinel padding
+        assert torch.all(blk[:pairs.numel()] == pairs)
+    counts = torch.bincount(flat[local], minlength=e)
+    assert block_expert.tolist() == sum(
+        ([j] * ((c + bm - 1) // bm) for j, c in enumerate(counts.tolist())), [])
+    # nothing local -> empty layout
+    s2, b2, n2 = fmt.moe_align(ids, e, 100, bm)
+    assert s2.numel() == 0 and b2.numel() == 0 and n2 == 0
