@@ -61,13 +61,11 @@ def _i64(values: Sequence[int], device: torch.device) -> torch.Tensor:
 
 
 class BlockTables:
-    """Per-slot host state the runner keeps across steps: each slot's block table row, its
-    block count and its KV length (``seq_len``), so a decode step gathers rather than loops."""
+    """Per-slot block tables on the host, one row per sequence slot, grown in place (a step
+    gathers its rows instead of rebuilding them)."""
 
     def __init__(self, max_slots: int, max_blocks_per_seq: int):
         self.table = torch.zeros((max_slots, max_blocks_per_seq), dtype=torch.int32)
-        self.num_blocks = torch.zeros(max_slots, dtype=torch.int64)
-        self.seq_lens = torch.zeros(max_slots, dtype=torch.int64)
         self.max_blocks_per_seq = max_blocks_per_seq
 
     def set_blocks(self, slot: int, first: int, blocks: Sequence[int]) -> None:
@@ -77,28 +75,23 @@ class BlockTables:
                              f"max_model_len allows ({self.max_blocks_per_seq})")
         if blocks:
             self.table[slot, first:first + len(blocks)] = torch.tensor(blocks, dtype=torch.int32)
-        self.num_blocks[slot] = first + len(blocks)
-
-    def reset(self, slot: int) -> None:
-        self.num_blocks[slot] = 0
-        self.seq_lens[slot] = 0
 
     def rows(self, slots: torch.Tensor, width: int) -> torch.Tensor:
         """[S, width] int32: the tables of ``slots`` ([S] int64, a copy)."""
         return self.table[:, :width].index_select(0, slots)
 
 
-def _decode_part(slots: torch.Tensor, tables: BlockTables, bs: int
-                 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """[D] positions and [D] KV slots of the decode rows (one token each, at ``seq_len``)."""
-    pos = tables.seq_lens.index_select(0, slots)
-    blk = pos // bs
-    ok = blk < tables.num_blocks.index_select(0, slots)
-    if not bool(ok.all()):
-        bad = int((~ok).nonzero()[0, 0])
-        raise ValueError(f"decode row {bad}: no KV block reserved for position {int(pos[bad])}")
-    phys = tables.table[slots, blk].to(torch.int64)
-    return pos, phys * bs + pos % bs
+def _decode_part(seqs: Sequence[SequenceState], bs: int) -> tuple[list[int], list[int]]:
+    """Positions and KV slots of the decode rows (one token each, at ``seq_len``); two list
+    comprehensions beat ~10 small torch ops on the host for a few hundred rows."""
+    pos = [s.seq_len for s in seqs]
+    try:
+        slots = [s.block_table[p // bs] * bs + p % bs for s, p in zip(seqs, pos)]
+    except IndexError:
+        bad = next(i for i, s in enumerate(seqs) if s.seq_len >= len(s.block_table) * bs)
+        raise ValueError(f"decode row {bad}: no KV block reserved for position "
+                         f"{seqs[bad].seq_len}") from None
+    return pos, slots
 
 
 def build_step_inputs(decode_tokens: Sequence[int], decode_seqs: Sequence[SequenceState],
@@ -110,11 +103,9 @@ def build_step_inputs(decode_tokens: Sequence[int], decode_seqs: Sequence[Sequen
     cpu = torch.device("cpu")
     slot_ids = [s.slot_idx for s in decode_seqs] + [row.seq.slot_idx for row in prefill_rows]
     slot_t = _i64(slot_ids, cpu)
-    pos_t, kv_t = _decode_part(slot_t[:nd], tables, bs)
+    pos, slots = _decode_part(decode_seqs, bs)
     ids = list(decode_tokens)
-    pos: list[int] = []
-    slots: list[int] = []
-    seq_lens = (pos_t + 1).tolist()
+    seq_lens = [p + 1 for p in pos]
     qsl = list(range(nd + 1))
     sample_index = list(range(nd))
     sampled_prefill = []
@@ -133,9 +124,7 @@ def build_step_inputs(decode_tokens: Sequence[int], decode_seqs: Sequence[Sequen
         if row.sample:
             sample_index.append(qsl[-1] - 1)
             sampled_prefill.append(r)
-    if pos:
-        pos_t = torch.cat([pos_t, _i64(pos, cpu)])
-        kv_t = torch.cat([kv_t, _i64(slots, cpu)])
+    pos_t, kv_t = _i64(pos, cpu), _i64(slots, cpu)
     width = -(-max(seq_lens) // bs)
     meta = AttentionMetadata(
         slot_mapping=kv_t.to(device),

@@ -83,15 +83,12 @@ class EpRank:
             if r.rank == self.rank:
                 self.local.pop(r.slot, None)
                 self.last_token.pop(r.slot, None)
-                tables.reset(r.slot)
         for n in cmd.new_seqs:
             if n.rank == self.rank:
                 self.local[n.slot] = SequenceState(
                     slot_idx=n.slot, rank=n.rank, seq_len=n.seq_len, prompt_len=n.prompt_len,
                     collect_prompt_logprobs=None if n.prompt_logprobs < 0 else n.prompt_logprobs,
                     sampling=row_sampling(n.sampling))
-                tables.reset(n.slot)
-                tables.seq_lens[n.slot] = n.seq_len
         for u in cmd.sampling_updates:
             if u.rank == self.rank:
                 self.local[u.slot].sampling = row_sampling(u.sampling)

@@ -158,7 +158,6 @@ class Runner:
         seq.block_table.extend(blocks)
         seq.tokens.extend(prompt[:n])
         seq.seq_len = seq.kv_valid_tokens = n
-        self.tables.seq_lens[seq.slot_idx] = n
         seq.cached_prefix_tokens = seq.reused_prefix_tokens = n
         seq.cached_prefix_blocks = len(blocks)
         return n
@@ -184,7 +183,6 @@ class Runner:
         seq.block_table.clear()
         seq.seq_len = 0
         if seq.slot_idx >= 0:
-            self.tables.reset(seq.slot_idx)
             self._free_slots.append(seq.slot_idx)
             seq.slot_idx = -1
 
@@ -288,7 +286,6 @@ class Runner:
         for row in inp.prefill_rows:
             row.seq.tokens.extend(row.tokens)
             row.seq.seq_len = row.seq.kv_valid_tokens = row.start + len(row.tokens)
-        self._advance_slot_lens(inp)
         seqs = list(inp.decode_seqs) + [inp.prefill_rows[r].seq for r in inp.sampled_prefill]
         prefill: list[SampledToken | None] = [None] * len(inp.prefill_rows)
         if not seqs:
@@ -300,15 +297,6 @@ class Runner:
         return MixedBatchResult(decode=tuple(tokens[:nd]), prefill=tuple(prefill),
                                 decode_logits=logits[:nd] if nd else None,
                                 prefill_logits=logits[nd:] if len(seqs) > nd else None)
-
-    def _advance_slot_lens(self, inp: StepInputs) -> None:
-        """Mirror the rows' new ``seq_len`` into the slot table (decode rows in one op)."""
-        nd = len(inp.decode_seqs)
-        if nd:
-            slots = torch.tensor([s.slot_idx for s in inp.decode_seqs], dtype=torch.int64)
-            self.tables.seq_lens.index_add_(0, slots, torch.ones(nd, dtype=torch.int64))
-        for row in inp.prefill_rows:
-            self.tables.seq_lens[row.seq.slot_idx] = row.seq.seq_len
 
     def _collect_prompt_logprobs(self, rows: Sequence[StepRow], hidden: torch.Tensor,
                                  qsl: Sequence[int]) -> None:
