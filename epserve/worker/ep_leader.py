@@ -14,8 +14,8 @@ import logging
 from typing import Any, Callable, Sequence
 
 from epserve.models.traits import (
-    EpCommandFailed, ForwardDisclosure, MixedBatchResult, PrefillSlice, PrefixReclaim,
-    RankFailure, SampledToken, SequenceState,
+    CapabilityAbsent, EpCommandFailed, ForwardDisclosure, MixedBatchResult, PrefillSlice,
+    PrefixReclaim, RankFailure, SampledToken, SequenceState,
 )
 from epserve.worker.ep_rank import EpRank, wire_sampling
 from epserve.worker.ep_results import decode_result
@@ -63,20 +63,28 @@ class EpLeaderRunner:
     def is_ep(self) -> bool:
         return True
 
+    # Model-shape facts and absent capabilities are rank 0's runner's (one place says them).
+
     def kv_block_size(self) -> int | None:
-        return self.block_size
+        return self.runner.kv_block_size()
 
     def vocab_size(self) -> int:
-        return self.model_config.vocab_size
+        return self.runner.vocab_size()
 
     def is_mla(self) -> bool:
-        return False
+        return self.runner.is_mla()
 
     def hc_mult(self) -> int:
-        return 0
+        return self.runner.hc_mult()
 
     def supports_beam(self) -> bool:
-        return False
+        return self.runner.supports_beam()
+
+    def generate_beam_batch(self, reqs: Sequence[Any]) -> list[list[int]]:
+        return self.runner.generate_beam_batch(reqs)
+
+    def ep_worker_step(self) -> bool:
+        raise CapabilityAbsent("ep_worker_step runs on ranks above 0; this is the leader")
 
     def synchronize(self) -> None:
         self.runner.synchronize()
