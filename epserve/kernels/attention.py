@@ -25,6 +25,10 @@ class AttentionMetadata:
       included), so its new tokens sit at positions ``seq_lens[s]-n_s .. seq_lens[s]-1``.
     - ``block_tables``: [S, max_blocks] int32 on device, logical -> physical block, 0-padded.
     - ``block_size``: tokens per KV block.
+    - ``seq_lens_t``: optional [S] int32 on device, the same lengths as ``seq_lens``. When set
+      on a pure decode batch (one row per sequence) it is the source of truth: attention reads
+      it on the device and trusts it, so a CUDA graph can replay with new lengths while the
+      host tuple holds placeholders. Padded decode rows carry length 1 and slot -1.
     """
 
     slot_mapping: torch.Tensor
@@ -32,6 +36,7 @@ class AttentionMetadata:
     seq_lens: tuple[int, ...]
     block_tables: torch.Tensor
     block_size: int
+    seq_lens_t: torch.Tensor | None = None
 
     def __post_init__(self) -> None:
         s = len(self.seq_lens)
@@ -55,43 +60,6 @@ class AttentionMetadata:
     @property
     def num_seqs(self) -> int:
         return len(self.seq_lens)
-
-
-# --------------------------------------------------------------------------- write_kv
-
-
-def write_kv_ref(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                 slot_mapping: torch.Tensor) -> None:
-    """Write each row's K/V into its slot, in place; rows with slot -1 write nothing.
-
-    k, v: [T, Hkv, D]; k_cache, v_cache: [NB, BS, Hkv, D]; slot_mapping: [T] int64.
-    """
-    block_size = k_cache.shape[1]
-    valid = slot_mapping >= 0
-    slots = slot_mapping[valid]
-    blocks, offsets = slots // block_size, slots % block_size
-    k_cache[blocks, offsets] = k[valid].to(k_cache.dtype)
-    v_cache[blocks, offsets] = v[valid].to(v_cache.dtype)
-
-
-def write_kv(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-             slot_mapping: torch.Tensor) -> None:
-    """Public entry for ``write_kv_ref`` (same contract); picks the implementation."""
-    _check_kv_shapes(k, v, k_cache, v_cache)
-    if slot_mapping.shape != (k.shape[0],):
-        raise ValueError(f"write_kv: slot_mapping shape {tuple(slot_mapping.shape)}, "
-                         f"expected ({k.shape[0]},)")
-    # Dispatch point: a Triton kernel for CUDA tensors goes here; the reference runs elsewhere.
-    write_kv_ref(k, v, k_cache, v_cache, slot_mapping)
-
-
-def _check_kv_shapes(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
-                     v_cache: torch.Tensor) -> None:
-    if k.shape != v.shape or k.dim() != 3:
-        raise ValueError(f"write_kv: k {tuple(k.shape)} and v {tuple(v.shape)} must both be [T, Hkv, D]")
-    if k_cache.shape != v_cache.shape or k_cache.dim() != 4 or k_cache.shape[2:] != k.shape[1:]:
-        raise ValueError(f"write_kv: caches {tuple(k_cache.shape)} / {tuple(v_cache.shape)} must be "
-                         f"[NB, BS, {k.shape[1]}, {k.shape[2]}]")
 
 
 # --------------------------------------------------------------------------- paged attention
@@ -165,8 +133,9 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
     if _use_triton_decode(q, meta):
         from epserve.kernels.paged_attention_triton import paged_decode_attention
 
-        return paged_decode_attention(q, k_cache, v_cache, meta.block_tables,
-                                      _seq_lens_tensor(meta, q.device), scale, sliding_window)
+        lens = meta.seq_lens_t if meta.seq_lens_t is not None else _seq_lens_tensor(meta, q.device)
+        return paged_decode_attention(q, k_cache, v_cache, meta.block_tables, lens, scale,
+                                      sliding_window)
     return paged_attention_ref(q, k_cache, v_cache, meta, scale, sliding_window)
 
 
@@ -177,9 +146,15 @@ def _use_triton_decode(q: torch.Tensor, meta: AttentionMetadata) -> bool:
     s = meta.num_seqs
     if s == 0 or q.shape[0] != s or meta.query_start_loc != tuple(range(s + 1)):
         return False
+    if meta.seq_lens_t is not None:  # device lengths (graph replay): trusted
+        return _triton_available()
     # Out-of-contract lengths go to the reference, which raises or defines the result.
     if min(meta.seq_lens) < 1 or max(meta.seq_lens) > meta.block_tables.shape[1] * meta.block_size:
         return False
+    return _triton_available()
+
+
+def _triton_available() -> bool:
     try:
         import triton  # noqa: F401
     except ImportError:

@@ -17,7 +17,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from epserve.kernels.attention import AttentionMetadata, paged_attention, write_kv
+from epserve.kernels.attention import AttentionMetadata, paged_attention
+from epserve.kernels.kv_write import write_kv
 from epserve.kernels.moe import fused_moe
 from epserve.kernels.norm import fused_add_rms_norm, rms_norm
 from epserve.kernels.rope import apply_rope, build_rope_cache

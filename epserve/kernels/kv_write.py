@@ -1,0 +1,46 @@
+"""Paged KV writes: each new row's K/V goes into its flat slot; the ref is the definition.
+
+Invariants: ``slot_mapping[t]`` is ``block_id * block_size + offset`` for row t, or -1 for a
+padded row, which writes nothing (CUDA-graph padding relies on it). K/V are cast to the
+cache's dtype.
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+
+
+def write_kv_ref(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                 slot_mapping: torch.Tensor) -> None:
+    """Write each row's K/V into its slot, in place; rows with slot -1 write nothing.
+
+    k, v: [T, Hkv, D]; k_cache, v_cache: [NB, BS, Hkv, D]; slot_mapping: [T] int64.
+    """
+    block_size = k_cache.shape[1]
+    valid = slot_mapping >= 0
+    slots = slot_mapping[valid]
+    blocks, offsets = slots // block_size, slots % block_size
+    k_cache[blocks, offsets] = k[valid].to(k_cache.dtype)
+    v_cache[blocks, offsets] = v[valid].to(v_cache.dtype)
+
+
+def write_kv(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+             slot_mapping: torch.Tensor) -> None:
+    """Public entry for ``write_kv_ref`` (same contract); picks the implementation."""
+    _check_kv_shapes(k, v, k_cache, v_cache)
+    if slot_mapping.shape != (k.shape[0],):
+        raise ValueError(f"write_kv: slot_mapping shape {tuple(slot_mapping.shape)}, "
+                         f"expected ({k.shape[0]},)")
+    # Dispatch point: a Triton kernel for CUDA tensors goes here; the reference runs elsewhere.
+    write_kv_ref(k, v, k_cache, v_cache, slot_mapping)
+
+
+def _check_kv_shapes(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
+                     v_cache: torch.Tensor) -> None:
+    if k.shape != v.shape or k.dim() != 3:
+        raise ValueError(f"write_kv: k {tuple(k.shape)} and v {tuple(v.shape)} must both be [T, Hkv, D]")
+    if k_cache.shape != v_cache.shape or k_cache.dim() != 4 or k_cache.shape[2:] != k.shape[1:]:
+        raise ValueError(f"write_kv: caches {tuple(k_cache.shape)} / {tuple(v_cache.shape)} must be "
+                         f"[NB, BS, {k.shape[1]}, {k.shape[2]}]")
