@@ -4,7 +4,7 @@ Same contract as ``epserve.kernels.moe.fused_moe_ref`` (the definition):
 x [T, H]; w13 [E, 2I, H] (gate rows then up rows); w2 [E, H, I]; topk_ids [T, K] GLOBAL expert
 ids; topk_weights [T, K]; ids outside ``[expert_offset, expert_offset + E)`` contribute zero.
 
-Pipeline: ``moe_align`` sorts the flat (token, k) pairs ``p = t * K + k`` by local expert and pads
+Pipeline: ``moe_align`` (moe_align_triton.py) sorts the flat (token, k) pairs ``p = t * K + k`` by local expert and pads
 each expert's group to a multiple of ``block_m`` with the sentinel ``T * K``; GEMM 1 gathers rows
 ``x[p // K]`` and writes ``silu(gate) * up`` ([P, I], x.dtype, in sorted order); GEMM 2 reads that
 intermediate, multiplies by the routing weight and scatters float32 rows to ``y[p]``; the combine
@@ -18,37 +18,7 @@ import torch
 import triton
 import triton.language as tl
 
-
-def moe_align(topk_ids: torch.Tensor, num_local_experts: int, expert_offset: int,
-              block_m: int) -> tuple[torch.Tensor, torch.Tensor, int]:
-    """Group the routed (token, k) pairs by local expert, padding each group to ``block_m``.
-
-    topk_ids: [T, K] global expert ids. Returns ``(sorted_ids, block_expert, num_pairs)``:
-    sorted_ids [P] int32 holds flat pair indices ``t * K + k`` grouped by local expert (ascending,
-    stable within an expert), each group padded to a multiple of ``block_m`` with ``T * K``;
-    block_expert [P // block_m] int32 is the local expert of each block (-1 = no work);
-    num_pairs is the number of local pairs (non-local pairs are dropped).
-    """
-    device = topk_ids.device
-    flat = topk_ids.reshape(-1).to(torch.int64) - expert_offset
-    sentinel = flat.numel()
-    is_local = (flat >= 0) & (flat < num_local_experts)
-    pair_idx = torch.nonzero(is_local).reshape(-1)  # [n], ascending
-    local_e = flat[pair_idx]
-    order = torch.argsort(local_e, stable=True)
-    sorted_pairs, sorted_e = pair_idx[order], local_e[order]
-    counts = torch.bincount(local_e, minlength=num_local_experts)  # [E]
-    padded = (counts + block_m - 1) // block_m * block_m
-    padded_start = torch.cumsum(padded, 0) - padded
-    start = torch.cumsum(counts, 0) - counts
-    rank = torch.arange(sorted_pairs.numel(), device=device)
-    pos = padded_start[sorted_e] + (rank - start[sorted_e])
-    total = int(padded.sum().item())
-    sorted_ids = torch.full((total,), sentinel, dtype=torch.int32, device=device)
-    sorted_ids[pos] = sorted_pairs.to(torch.int32)
-    block_expert = torch.repeat_interleave(
-        torch.arange(num_local_experts, dtype=torch.int32, device=device), padded // block_m)
-    return sorted_ids, block_expert, int(sorted_pairs.numel())
+from epserve.kernels.moe_align_triton import moe_align
 
 
 @triton.jit
@@ -176,9 +146,8 @@ def fused_moe_triton(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_
         return torch.zeros((t, h), dtype=x.dtype, device=x.device)
     if block_m is None:  # from the mean pairs per expert if routing were uniform (no sync)
         block_m = _pick_block_m(t * top_k, e)
-    sorted_ids, block_expert, num_pairs = moe_align(topk_ids, e, expert_offset, block_m)
-    if num_pairs == 0:
-        return torch.zeros((t, h), dtype=x.dtype, device=x.device)
+    # static-size layout, no host sync (CUDA graphs); blocks with expert -1 exit at once
+    sorted_ids, block_expert = moe_align(topk_ids, e, expert_offset, block_m)
     x = x.contiguous() if x.stride(-1) != 1 else x
     weights = topk_weights.reshape(-1).to(torch.float32).contiguous()
     num_slots = t * top_k

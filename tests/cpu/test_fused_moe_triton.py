@@ -1,4 +1,4 @@
-"""fused_moe_triton (run in the Triton interpreter on CPU) against fused_moe_ref, plus moe_align.
+"""fused_moe_triton (run in the Triton interpreter on CPU) against fused_moe_ref.
 
 Tolerances: fp32 atol 1e-4 (abs); fp16 max |err| <= 2e-2 * max |ref|.
 TRITON_INTERPRET=1 is set while triton and the kernel module are imported (triton.jit picks the
@@ -136,31 +136,3 @@ def test_wrapper_rejects_bad_inputs():
         fmt.fused_moe_triton(x, w13[:, :-1], w2, ids, wts)
     with pytest.raises(ValueError, match="topk_ids"):
         fmt.fused_moe_triton(x, w13, w2, ids[:-1], wts[:-1])
-
-
-def test_moe_align():
-    g = torch.Generator().manual_seed(5)
-    t, k, e, off, bm = 10, 3, 5, 2, 16
-    ids = torch.randint(0, 9, (t, k), generator=g)
-    sorted_ids, block_expert, n = fmt.moe_align(ids, e, off, bm)
-    flat = ids.reshape(-1) - off
-    local = torch.nonzero((flat >= 0) & (flat < e)).reshape(-1)
-    assert sorted_ids.dtype == torch.int32 and block_expert.dtype == torch.int32
-    assert n == local.numel()
-    assert sorted_ids.numel() % bm == 0 and block_expert.numel() == sorted_ids.numel() // bm
-    real = sorted_ids[sorted_ids != t * k].long()
-    assert sorted(real.tolist()) == local.tolist()  # every local pair exactly once, no others
-    assert torch.all((sorted_ids >= 0) & (sorted_ids <= t * k))
-    for b, ex in enumerate(block_expert.tolist()):
-        blk = sorted_ids[b * bm:(b + 1) * bm].long()
-        pairs = blk[blk != t * k]
-        assert ex >= 0 and pairs.numel() > 0  # no empty blocks are emitted by this layout
-        assert torch.all(flat[pairs] == ex)
-        # a group's real pairs come first, then its sentinel padding
-        assert torch.all(blk[:pairs.numel()] == pairs)
-    counts = torch.bincount(flat[local], minlength=e)
-    assert block_expert.tolist() == sum(
-        ([j] * ((c + bm - 1) // bm) for j, c in enumerate(counts.tolist())), [])
-    # nothing local -> empty layout
-    s2, b2, n2 = fmt.moe_align(ids, e, 100, bm)
-    assert s2.numel() == 0 and b2.numel() == 0 and n2 == 0

@@ -1,0 +1,131 @@
+"""Group a step's routed (token, k) pairs by local expert: the layout the fused MoE GEMMs read.
+
+Pairs are flat indices ``p = t * K + k`` into ``topk_ids`` [T, K]. The layout lists each local
+expert's pairs (ascending, so stable) padded to a multiple of ``block_m`` with the sentinel
+``T * K``, experts in order; ``block_expert[b]`` is the local expert of block b. Pairs routed
+outside ``[expert_offset, expert_offset + E)`` are dropped (another rank owns them).
+
+``moe_align_ref`` (torch) is the definition and returns exactly that layout (its size depends on
+the routing, so it syncs with the host). ``moe_align`` (Triton, one program) returns the same
+layout inside buffers whose size depends only on (T, K, E, block_m) — the blocks after the layout
+hold sentinels and expert -1 (no work) — and never syncs with the host, so a CUDA graph can
+capture it. The bound: experts with pairs number at most min(E, T*K), and each wastes fewer than
+``block_m`` slots, so the layout fits ``T*K + min(E, T*K) * (block_m - 1)`` slots.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+
+def moe_align_ref(topk_ids: torch.Tensor, num_local_experts: int, expert_offset: int,
+                  block_m: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The compact layout: ``(sorted_ids [P] int32, block_expert [P // block_m] int32)``."""
+    device = topk_ids.device
+    flat = topk_ids.reshape(-1).to(torch.int64) - expert_offset
+    sentinel = flat.numel()
+    is_local = (flat >= 0) & (flat < num_local_experts)
+    pair_idx = torch.nonzero(is_local).reshape(-1)  # [n], ascending
+    local_e = flat[pair_idx]
+    order = torch.argsort(local_e, stable=True)
+    sorted_pairs, sorted_e = pair_idx[order], local_e[order]
+    counts = torch.bincount(local_e, minlength=num_local_experts)  # [E]
+    padded = (counts + block_m - 1) // block_m * block_m
+    padded_start = torch.cumsum(padded, 0) - padded
+    start = torch.cumsum(counts, 0) - counts
+    rank = torch.arange(sorted_pairs.numel(), device=device)
+    pos = padded_start[sorted_e] + (rank - start[sorted_e])
+    sorted_ids = torch.full((int(padded.sum().item()),), sentinel, dtype=torch.int32, device=device)
+    sorted_ids[pos] = sorted_pairs.to(torch.int32)
+    block_expert = torch.repeat_interleave(
+        torch.arange(num_local_experts, dtype=torch.int32, device=device), padded // block_m)
+    return sorted_ids, block_expert
+
+
+def max_aligned_blocks(num_pairs: int, num_local_experts: int, block_m: int) -> int:
+    """Blocks ``moe_align`` allocates for ``num_pairs`` pairs (the static bound above)."""
+    worst = num_pairs + min(num_local_experts, num_pairs) * (block_m - 1)
+    return -(-worst // block_m)
+
+
+@triton.jit
+def _expert_hits(ids_ptr, offs, n, expert_offset, num_local, experts):
+    """[CHUNK, E_P] int32 one-hot of each pair's local expert (all zero for other ranks')."""
+    inb = offs < n
+    e = tl.load(ids_ptr + offs, mask=inb, other=0).to(tl.int32) - expert_offset
+    valid = inb & (e >= 0) & (e < num_local)
+    return ((e[:, None] == experts[None, :]) & valid[:, None]).to(tl.int32), valid
+
+
+@triton.jit
+def _moe_align_kernel(ids_ptr, sorted_ptr, block_expert_ptr, n, num_local, expert_offset,
+                      num_blocks, BLOCK_M: tl.constexpr, E_P: tl.constexpr, CHUNK: tl.constexpr):
+    """One program: count per expert, place blocks, fill sentinels, scatter pairs in order.
+    Loops are while-loops over runtime bounds (the interpreter cannot ``range`` over them)."""
+    experts = tl.arange(0, E_P)
+    lane = tl.arange(0, CHUNK)
+    counts = tl.zeros([E_P], tl.int32)
+    c = 0
+    while c < n:
+        hit, _ = _expert_hits(ids_ptr, c + lane, n, expert_offset, num_local, experts)
+        counts += tl.sum(hit, axis=0)
+        c += CHUNK
+    padded = (counts + BLOCK_M - 1) // BLOCK_M * BLOCK_M
+    end = tl.cumsum(padded, axis=0)
+    start = end - padded
+    b = 0
+    while b < num_blocks:
+        blk = b + lane
+        row = blk * BLOCK_M
+        inside = (row[:, None] >= start[None, :]) & (row[:, None] < end[None, :])
+        ex = tl.sum(tl.where(inside, experts[None, :], 0), axis=1)
+        owned = tl.sum(inside.to(tl.int32), axis=1) > 0
+        tl.store(block_expert_ptr + blk, tl.where(owned, ex, -1), mask=blk < num_blocks)
+        b += CHUNK
+    total = num_blocks * BLOCK_M
+    p = 0
+    while p < total:
+        offs = p + lane
+        tl.store(sorted_ptr + offs, tl.zeros([CHUNK], tl.int32) + n, mask=offs < total)
+        p += CHUNK
+    tl.debug_barrier()  # the sentinel fill lands before the pairs overwrite their slots
+    seen = tl.zeros([E_P], tl.int32)
+    c = 0
+    while c < n:
+        offs = c + lane
+        hit, valid = _expert_hits(ids_ptr, offs, n, expert_offset, num_local, experts)
+        rank = tl.cumsum(hit, axis=0) - 1  # [CHUNK, E_P]: earlier pairs of the chunk, same expert
+        pos = tl.sum(hit * (rank + (start + seen)[None, :]), axis=1)
+        tl.store(sorted_ptr + pos, offs, mask=valid)
+        seen += tl.sum(hit, axis=0)
+        c += CHUNK
+
+
+def moe_align(topk_ids: torch.Tensor, num_local_experts: int, expert_offset: int,
+              block_m: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """``moe_align_ref``'s layout in static-size buffers, without a host sync.
+
+    topk_ids: [T, K] int32/int64 global ids. Returns ``(sorted_ids [NB * block_m] int32,
+    block_expert [NB] int32)`` with ``NB = max_aligned_blocks(T * K, E, block_m)``: the first
+    blocks are the reference layout, the rest hold the sentinel ``T * K`` and expert -1.
+    """
+    if topk_ids.dim() != 2 or topk_ids.dtype not in (torch.int32, torch.int64):
+        raise ValueError(f"moe_align: topk_ids must be [T, K] int32/int64, got "
+                         f"{tuple(topk_ids.shape)} {topk_ids.dtype}")
+    if num_local_experts < 1 or block_m < 1 or block_m & (block_m - 1):
+        raise ValueError(f"moe_align: need num_local_experts >= 1 and block_m a power of two, "
+                         f"got {num_local_experts}, {block_m}")
+    ids = topk_ids.reshape(-1).contiguous()
+    n = ids.numel()
+    nb = max_aligned_blocks(n, num_local_experts, block_m)
+    sorted_ids = torch.empty(nb * block_m, dtype=torch.int32, device=ids.device)
+    block_expert = torch.empty(nb, dtype=torch.int32, device=ids.device)
+    if nb == 0:
+        return sorted_ids, block_expert
+    e_p = triton.next_power_of_2(num_local_experts)
+    chunk = max(16, min(256, 8192 // e_p))
+    _moe_align_kernel[(1,)](ids, sorted_ids, block_expert, n, num_local_experts, expert_offset,
+                            nb, BLOCK_M=block_m, E_P=e_p, CHUNK=chunk, num_warps=8)
+    return sorted_ids, block_expert
