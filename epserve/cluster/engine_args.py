@@ -40,6 +40,7 @@ class EngineArgs:
     ep_size: int = 1
     placement_strategy: str = "STRICT_PACK"
     gpu_memory_utilization: float = 0.9
+    enforce_eager: bool = False
 
     def __post_init__(self) -> None:
         for name in ("block_size", "max_num_seqs", "max_num_batched_tokens", "ep_size"):
@@ -49,6 +50,8 @@ class EngineArgs:
         g = self.gpu_memory_utilization
         if isinstance(g, bool) or not isinstance(g, (int, float)) or not 0 < g <= 1:
             raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {g!r}")
+        if not isinstance(self.enforce_eager, bool):
+            raise ValueError(f"enforce_eager must be true or false, got {self.enforce_eager!r}")
         if self.placement_strategy not in ("STRICT_PACK", "PACK", "SPREAD", "STRICT_SPREAD"):
             raise ValueError(f"placement_strategy must be STRICT_PACK, PACK, SPREAD or "
                              f"STRICT_SPREAD, got {self.placement_strategy!r}")
@@ -83,7 +86,8 @@ class EngineArgs:
             max_model_len=self.max_model_len, block_size=self.block_size,
             num_kv_blocks=self.num_kv_blocks, max_num_seqs=self.max_num_seqs,
             enable_prefix_caching=self.enable_prefix_caching, load_format=self.load_format,
-            seed=self.seed, gpu_memory_utilization=float(self.gpu_memory_utilization))
+            seed=self.seed, gpu_memory_utilization=float(self.gpu_memory_utilization),
+            enforce_eager=bool(self.enforce_eager))
 
 
 def check_model_path(path: str) -> None:

@@ -83,7 +83,8 @@ class LLM:
                  max_num_seqs: int = 256, max_num_batched_tokens: int = 2048,
                  long_prefill_token_threshold: int = 0, enable_prefix_caching: bool = True,
                  load_format: str = "auto", ep_size: int = 1,
-                 placement_strategy: str = "STRICT_PACK", gpu_memory_utilization: float = 0.9):
+                 placement_strategy: str = "STRICT_PACK", gpu_memory_utilization: float = 0.9,
+                 enforce_eager: bool = False):
         args = EngineArgs(
             model=None if model is None else str(model), tokenizer=tokenizer, dtype=dtype,
             device=device, max_model_len=max_model_len, block_size=block_size,
@@ -92,7 +93,7 @@ class LLM:
             long_prefill_token_threshold=long_prefill_token_threshold,
             enable_prefix_caching=enable_prefix_caching, load_format=load_format, seed=seed,
             ep_size=ep_size, placement_strategy=placement_strategy,
-            gpu_memory_utilization=gpu_memory_utilization)
+            gpu_memory_utilization=gpu_memory_utilization, enforce_eager=enforce_eager)
         if (isinstance(long_prefill_token_threshold, bool)
                 or not isinstance(long_prefill_token_threshold, int)
                 or long_prefill_token_threshold < 0):

@@ -25,6 +25,8 @@ def _engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--num-kv-blocks", type=int, default=None)
     p.add_argument("--gpu-memory-utilization", type=float, default=0.9,
                    help="fraction of GPU memory for weights + KV cache (CUDA)")
+    p.add_argument("--enforce-eager", action="store_true",
+                   help="run decode steps eagerly (no CUDA graphs)")
     p.add_argument("--block-size", type=int, default=16)
     p.add_argument("--no-prefix-caching", action="store_true")
     p.add_argument("--load-format", default="auto", choices=["auto", "safetensors", "dummy"])
@@ -74,7 +76,8 @@ def _llm(args: argparse.Namespace):
                num_kv_blocks=args.num_kv_blocks, block_size=args.block_size,
                enable_prefix_caching=not args.no_prefix_caching, load_format=args.load_format,
                ep_size=args.ep_size, placement_strategy=args.placement_strategy, seed=args.seed,
-               gpu_memory_utilization=args.gpu_memory_utilization)
+               gpu_memory_utilization=args.gpu_memory_utilization,
+               enforce_eager=args.enforce_eager)
 
 
 def _generate(args: argparse.Namespace) -> int:

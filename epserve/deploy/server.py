@@ -33,6 +33,7 @@ def config_from_args(args: argparse.Namespace) -> AppConfig:
         load_format=args.load_format, ep_size=args.ep_size, seed=args.seed,
         placement_strategy=args.placement_strategy,
         gpu_memory_utilization=args.gpu_memory_utilization,
+        enforce_eager=getattr(args, "enforce_eager", False),
         served_model_name=getattr(args, "served_model_name", None))
     return AppConfig(engine=engine, api_key=args.api_key or os.environ.get(API_KEY_ENV) or None,
                      max_body_bytes=getattr(args, "max_body_bytes", None)

@@ -14,6 +14,8 @@ is ``y.view(T, K, H).sum(1)``. Importing this module imports triton; kernels dec
 
 from __future__ import annotations
 
+from dataclasses import dataclass, replace
+
 import torch
 import triton
 import triton.language as tl
@@ -85,30 +87,57 @@ def _moe_gemm_kernel(a_ptr, b_ptr, c_ptr, w_ptr, sorted_ids_ptr, block_expert_pt
 _DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 
 
-def _pick_block_m(num_pairs: int, num_local: int) -> int:
+@dataclass(frozen=True)
+class MoeTiles:
+    """Tile sizes and launch shape of the two GEMMs (block sizes are powers of two >= 16)."""
+
+    block_m: int
+    block_n1: int = 64
+    block_k1: int = 64
+    block_n2: int = 64
+    block_k2: int = 64
+    num_warps: int = 4
+    num_stages: int = 3
+
+    def __post_init__(self) -> None:
+        for name in ("block_m", "block_n1", "block_k1", "block_n2", "block_k2"):
+            v = getattr(self, name)
+            if v < 16 or v & (v - 1):
+                raise ValueError(f"fused_moe_triton: {name} must be a power of two >= 16, got {v}")
+
+
+def default_tiles(num_pairs: int, num_local: int, h: int, inter: int) -> MoeTiles:
+    """Tiles from the mean pairs per expert if routing were uniform (no sync): small blocks
+    for decode, where each expert sees a few rows and the GEMMs only stream weights."""
     avg = num_pairs / max(num_local, 1)
-    return 16 if avg <= 16 else (32 if avg <= 48 else 64)
+    bm = 16 if avg <= 16 else (32 if avg <= 48 else 64)
+    return MoeTiles(block_m=bm,
+                    block_n1=min(64, max(16, triton.next_power_of_2(inter))),
+                    block_k1=min(64, max(16, triton.next_power_of_2(h))),
+                    block_n2=min(64, max(16, triton.next_power_of_2(h))),
+                    block_k2=min(64, max(16, triton.next_power_of_2(inter))))
 
 
-def _launch(a, b, c, w, sorted_ids, block_expert, n, kd, num_slots, top_k, up_offset, *,
-            block_m, block_n, block_k, a_by_pair, c_by_pair, fuse_silu, mul_weight):
+def _launch(a, b, c, w, sorted_ids, block_expert, n, kd, num_slots, top_k, up_offset, tiles, *,
+            block_n, block_k, a_by_pair, c_by_pair, fuse_silu, mul_weight):
     grid = (block_expert.numel(), triton.cdiv(n, block_n))
     precision = "ieee" if a.dtype == torch.float32 else "tf32"
     _moe_gemm_kernel[grid](
         a, b, c, w, sorted_ids, block_expert, num_slots, top_k, up_offset,
         a.stride(0), a.stride(1), b.stride(0), b.stride(1), b.stride(2), c.stride(0), c.stride(1),
-        N=n, KD=kd, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, A_BY_PAIR=a_by_pair,
+        N=n, KD=kd, BLOCK_M=tiles.block_m, BLOCK_N=block_n, BLOCK_K=block_k, A_BY_PAIR=a_by_pair,
         C_BY_PAIR=c_by_pair, FUSE_SILU=fuse_silu, MUL_WEIGHT=mul_weight, PRECISION=precision,
-        num_warps=4)
+        num_warps=tiles.num_warps, num_stages=tiles.num_stages)
 
 
 def fused_moe_triton(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_ids: torch.Tensor,
                      topk_weights: torch.Tensor, expert_offset: int = 0, *,
                      block_m: int | None = None, block_n: int | None = None,
-                     block_k: int | None = None) -> torch.Tensor:
+                     block_k: int | None = None, tiles: MoeTiles | None = None) -> torch.Tensor:
     """Triton implementation of ``fused_moe_ref`` (same contract). Returns [T, H] x.dtype.
 
-    block_m / block_n / block_k override the tile sizes (each >= 16, powers of two).
+    ``tiles`` sets every tile size and the launch shape (default: ``default_tiles``);
+    block_m / block_n / block_k override single sizes of it (each >= 16, powers of two).
     """
     if x.dim() != 2:
         raise ValueError(f"fused_moe_triton: x must be 2-D [T, H], got {tuple(x.shape)}")
@@ -137,15 +166,16 @@ def fused_moe_triton(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_
     devices = {x.device, w13.device, w2.device, topk_ids.device, topk_weights.device}
     if len(devices) != 1:
         raise ValueError(f"fused_moe_triton: all tensors must be on one device, got {devices}")
-    for name, v in (("block_m", block_m), ("block_n", block_n), ("block_k", block_k)):
-        if v is not None and (v < 16 or v & (v - 1)):
-            raise ValueError(f"fused_moe_triton: {name} must be a power of two >= 16, got {v}")
-
     top_k = topk_ids.shape[1]
     if t == 0 or top_k == 0 or e == 0:
         return torch.zeros((t, h), dtype=x.dtype, device=x.device)
-    if block_m is None:  # from the mean pairs per expert if routing were uniform (no sync)
-        block_m = _pick_block_m(t * top_k, e)
+    if tiles is None:
+        tiles = default_tiles(t * top_k, e, h, inter)
+    over = {k: v for k, v in (("block_m", block_m), ("block_n1", block_n), ("block_n2", block_n),
+                              ("block_k1", block_k), ("block_k2", block_k)) if v is not None}
+    if over:
+        tiles = replace(tiles, **over)
+    block_m = tiles.block_m
     # static-size layout, no host sync (CUDA graphs); blocks with expert -1 exit at once
     sorted_ids, block_expert = moe_align(topk_ids, e, expert_offset, block_m)
     x = x.contiguous() if x.stride(-1) != 1 else x
@@ -154,17 +184,13 @@ def fused_moe_triton(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_
 
     # GEMM 1: x[p // K] @ w13[e]^T, SiLU(gate) * up -> intermediate in sorted order.
     inter_buf = torch.empty((sorted_ids.numel(), inter), dtype=x.dtype, device=x.device)
-    bn1 = block_n or min(64, max(16, triton.next_power_of_2(inter)))
-    bk1 = block_k or min(64, max(16, triton.next_power_of_2(h)))
     _launch(x, w13, inter_buf, weights, sorted_ids, block_expert, inter, h, num_slots, top_k,
-            inter, block_m=block_m, block_n=bn1, block_k=bk1, a_by_pair=True, c_by_pair=False,
-            fuse_silu=True, mul_weight=False)
+            inter, tiles, block_n=tiles.block_n1, block_k=tiles.block_k1, a_by_pair=True,
+            c_by_pair=False, fuse_silu=True, mul_weight=False)
 
     # GEMM 2: intermediate @ w2[e]^T * weight -> y[p] (float32); non-local pairs stay zero.
     y = torch.zeros((num_slots, h), dtype=torch.float32, device=x.device)
-    bn2 = block_n or min(64, max(16, triton.next_power_of_2(h)))
-    bk2 = block_k or min(64, max(16, triton.next_power_of_2(inter)))
     _launch(inter_buf, w2, y, weights, sorted_ids, block_expert, h, inter, num_slots, top_k,
-            0, block_m=block_m, block_n=bn2, block_k=bk2, a_by_pair=False, c_by_pair=True,
-            fuse_silu=False, mul_weight=True)
+            0, tiles, block_n=tiles.block_n2, block_k=tiles.block_k2, a_by_pair=False,
+            c_by_pair=True, fuse_silu=False, mul_weight=True)
     return y.view(t, top_k, h).sum(1).to(x.dtype)

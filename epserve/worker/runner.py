@@ -14,6 +14,7 @@ from typing import Any, Sequence
 
 import torch
 
+from epserve.kernels.attention import AttentionMetadata
 from epserve.models.loader import load_model
 from epserve.models.parallel import ParallelInfo
 from epserve.models.traits import (
@@ -21,6 +22,7 @@ from epserve.models.traits import (
     PrefillSlice, PrefixReclaim, RowMask, SampledToken, SequenceState, ROW_MASK_NONE,
 )
 from epserve.worker.batch import BlockTables, StepInputs, StepRow, build_step_inputs
+from epserve.worker.cuda_graphs import DecodeGraphs
 from epserve.worker.kv_pool import KVPool
 from epserve.worker.sampler import prompt_logprobs_rows, sample_rows
 
@@ -33,7 +35,8 @@ _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torc
 class RunnerConfig:
     """How one rank's runner is built. ``num_kv_blocks=None`` sizes the pool: on CPU from
     ``kv_cache_bytes``; on CUDA from what ``gpu_memory_utilization`` of the device leaves
-    after the weights (and a reserve for activations)."""
+    after the weights (and a reserve for activations). On CUDA with one rank, decode steps
+    replay CUDA graphs captured at start (one per ladder rung) unless ``enforce_eager``."""
 
     model: str
     dtype: str = "auto"
@@ -48,6 +51,7 @@ class RunnerConfig:
     enable_prefix_caching: bool = True
     load_format: str = "auto"
     seed: int = 0
+    enforce_eager: bool = False
 
 
 def resolve_device(name: str) -> torch.device:
@@ -96,6 +100,15 @@ class Runner:
         self.pool = KVPool(self.num_blocks, self.block_size, cfg.enable_prefix_caching)
         self.tables = BlockTables(cfg.max_num_seqs, -(-self.max_model_len // self.block_size))
         self._free_slots = list(range(cfg.max_num_seqs - 1, -1, -1))
+        self.graphs: DecodeGraphs | None = None
+        if self.device.type == "cuda" and not cfg.enforce_eager and parallel.world_size == 1:
+            self.graphs = DecodeGraphs(self._forward, self.device, self.block_size,
+                                       cfg.max_num_seqs, self.tables.max_blocks_per_seq)
+            self.graphs.capture()
+
+    def _forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
+                 meta: AttentionMetadata) -> torch.Tensor:
+        return self.model(input_ids, positions, self.kv_caches, meta)
 
     def _kv_budget(self) -> int:
         """Bytes for the KV cache when ``num_kv_blocks`` is not given."""
@@ -276,7 +289,10 @@ class Runner:
     @torch.inference_mode()
     def execute_step(self, inp: StepInputs) -> MixedBatchResult:
         """The device side: forward, prompt logprobs, sampling; advances each row's KV."""
-        hidden = self.model(inp.input_ids, inp.positions, self.kv_caches, inp.meta)  # [T, H]
+        if self.graphs is not None and self.graphs.covers(inp):
+            hidden = self.graphs.run(inp)  # [n, H]
+        else:
+            hidden = self._forward(inp.input_ids, inp.positions, inp.meta)  # [T, H]
         nd = len(inp.decode_seqs)
         self._collect_prompt_logprobs(inp.prefill_rows, hidden, inp.meta.query_start_loc[nd:])
         for tok, seq in zip(inp.decode_tokens, inp.decode_seqs):

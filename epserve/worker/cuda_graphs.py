@@ -1,0 +1,113 @@
+"""Decode forwards captured as CUDA graphs, one per rung of ``DECODE_BATCH_LADDER``.
+
+A pure decode step of ``n`` rows replays the graph of rung ``padded_batch_n(n)``: the step's
+inputs are copied into the graph's static buffers, rows ``n..rung`` are padding. Invariants
+(the seed's): a padded row has KV slot -1 (it writes no KV) and length 1 (it reads one KV
+position of block 0, harmlessly), and its hidden state is never read. Above the ladder's top
+rung, and for steps with any prefill row, the runner runs eagerly. Everything the captured
+forward reads per step lives in the static buffers below; lengths reach attention through
+``AttentionMetadata.seq_lens_t`` (the host tuple holds placeholders at capture time).
+
+Only for a single rank: an EP step's expert exchange runs collectives on a host-driven group,
+which a graph cannot replay.
+"""
+
+from __future__ import annotations
+
+import array
+import logging
+import time
+from typing import Callable
+
+import torch
+
+from epserve.kernels.attention import AttentionMetadata
+from epserve.models.traits import DECODE_BATCH_LADDER, padded_batch_n
+from epserve.worker.batch import StepInputs
+
+log = logging.getLogger(__name__)
+
+Forward = Callable[[torch.Tensor, torch.Tensor, AttentionMetadata], torch.Tensor]
+
+
+class DecodeGraphs:
+    """The captured decode graphs of one runner and their static input buffers.
+
+    ``forward(input_ids [B] int64, positions [B] int64, meta) -> hidden [B, H]`` is the model
+    forward over the runner's KV caches. ``max_batch`` caps the rungs captured (the runner's
+    ``max_num_seqs``); ``max_blocks`` is the block-table width (``max_model_len`` in blocks).
+    """
+
+    def __init__(self, forward: Forward, device: torch.device, block_size: int,
+                 max_batch: int, max_blocks: int):
+        self.forward, self.device, self.block_size = forward, device, block_size
+        self.rungs = [r for r in DECODE_BATCH_LADDER if r <= padded_batch_n(max_batch)]
+        top = max(self.rungs, default=0)
+        self.max_rows = top
+        self.input_ids = torch.zeros(top, dtype=torch.int64, device=device)
+        self.positions = torch.zeros(top, dtype=torch.int64, device=device)
+        self.slots = torch.full((top,), -1, dtype=torch.int64, device=device)
+        self.block_tables = torch.zeros((top, max_blocks), dtype=torch.int32, device=device)
+        self.seq_lens = torch.ones(top, dtype=torch.int32, device=device)
+        self._graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
+        self.capture_s = 0.0
+
+    def _meta(self, b: int) -> AttentionMetadata:
+        return AttentionMetadata(
+            slot_mapping=self.slots[:b], query_start_loc=tuple(range(b + 1)),
+            seq_lens=(1,) * b, block_tables=self.block_tables[:b], block_size=self.block_size,
+            seq_lens_t=self.seq_lens[:b])
+
+    @torch.inference_mode()
+    def capture(self) -> None:
+        """Capture every rung, largest first (smaller ones reuse its memory pool). Each rung
+        runs twice eagerly first, on padding only (slot -1: no KV is written), so every Triton
+        kernel is compiled before capture."""
+        t0 = time.perf_counter()
+        pool = torch.cuda.graph_pool_handle()
+        torch.cuda.synchronize(self.device)
+        for b in sorted(self.rungs, reverse=True):
+            meta = self._meta(b)
+            ids, pos = self.input_ids[:b], self.positions[:b]
+            side = torch.cuda.Stream(self.device)
+            side.wait_stream(torch.cuda.current_stream(self.device))
+            with torch.cuda.stream(side):
+                for _ in range(2):
+                    self.forward(ids, pos, meta)
+            torch.cuda.current_stream(self.device).wait_stream(side)
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph, pool=pool):
+                out = self.forward(ids, pos, meta)
+            self._graphs[b] = (graph, out)
+        torch.cuda.synchronize(self.device)
+        self.capture_s = time.perf_counter() - t0
+        log.info("captured %d decode CUDA graphs (rungs %s) in %.1f s", len(self._graphs),
+                 self.rungs, self.capture_s)
+
+    def covers(self, inp: StepInputs) -> bool:
+        """A pure decode step whose padded size has a graph."""
+        n = len(inp.decode_seqs)
+        return (not inp.prefill_rows and 0 < n <= self.max_rows
+                and padded_batch_n(n) in self._graphs)
+
+    def run(self, inp: StepInputs) -> torch.Tensor:
+        """Replay the step's rung on its inputs. Returns hidden [n, H] (a view of the graph's
+        output buffer: valid until the next replay)."""
+        n = len(inp.decode_seqs)
+        b = padded_batch_n(n)
+        graph, out = self._graphs[b]
+        meta = inp.meta
+        self.input_ids[:n].copy_(inp.input_ids, non_blocking=True)
+        self.positions[:n].copy_(inp.positions, non_blocking=True)
+        self.slots[:n].copy_(meta.slot_mapping, non_blocking=True)
+        w = meta.block_tables.shape[1]
+        self.block_tables[:n, :w].copy_(meta.block_tables, non_blocking=True)
+        lens = meta.seq_lens_t
+        if lens is None:
+            lens = torch.frombuffer(array.array("i", meta.seq_lens), dtype=torch.int32)
+        self.seq_lens[:n].copy_(lens, non_blocking=True)
+        if b > n:  # padding: no KV write, one harmless KV read
+            self.slots[n:b].fill_(-1)
+            self.seq_lens[n:b].fill_(1)
+        graph.replay()
+        return out[:n]
