@@ -46,13 +46,14 @@ def tiny_config(arch: str, **overrides: Any):
 
 
 def make_tiny_checkpoint(arch: str, out_dir: str | Path, *, seed: int = 0, sharded: bool = False,
-                         **config_overrides: Any) -> Path:
+                         dtype: torch.dtype = torch.float32, **config_overrides: Any) -> Path:
     """Write a tiny random ``arch`` checkpoint (config.json + safetensors) into ``out_dir``.
 
     ``sharded=True`` splits the weights into many small files with a
     ``model.safetensors.index.json``. ``config_overrides`` go to the transformers config
     (e.g. ``tie_word_embeddings=True``, ``num_hidden_layers=3``, ``sliding_window=6``).
-    Returns the folder.
+    ``dtype=torch.bfloat16`` saves the weights (and config ``torch_dtype``) in bf16, so an fp32
+    and a bf16 run see the same weights. Returns the folder.
     """
     from transformers import AutoModelForCausalLM
 
@@ -65,6 +66,9 @@ def make_tiny_checkpoint(arch: str, out_dir: str | Path, *, seed: int = 0, shard
         model = AutoModelForCausalLM.from_config(cfg, dtype=torch.float32)
     finally:
         torch.random.set_rng_state(rng_state)
+    if dtype != torch.float32:
+        model = model.to(dtype)
+        model.config.torch_dtype = dtype
     max_shard = "40KB" if sharded else "2GB"
     model.save_pretrained(out, safe_serialization=True, max_shard_size=max_shard)
     return out

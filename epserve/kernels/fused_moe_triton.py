@@ -8,7 +8,7 @@ Pipeline: ``moe_align`` (moe_align_triton.py) sorts the flat (token, k) pairs ``
 each expert's group to a multiple of ``block_m`` with the sentinel ``T * K``; GEMM 1 gathers rows
 ``x[p // K]`` and writes ``silu(gate) * up`` ([P, I], x.dtype, in sorted order); GEMM 2 reads that
 intermediate, multiplies by the routing weight and scatters float32 rows to ``y[p]``; the combine
-is ``y.view(T, K, H).sum(1)``. Importing this module imports triton; kernels decorated while
+sums each token's local pairs of ``y`` (one launch, also the cast). Importing this module imports triton; kernels decorated while
 ``TRITON_INTERPRET=1`` is set run in the Triton interpreter (CPU tensors allowed).
 """
 
@@ -82,6 +82,22 @@ def _moe_gemm_kernel(a_ptr, b_ptr, c_ptr, w_ptr, sorted_ids_ptr, block_expert_pt
         c_rows = offs_m.to(tl.int64)
     c_ptrs = c_ptr + c_rows[:, None] * stride_cm + offs_n[None, :] * stride_cn
     tl.store(c_ptrs, acc.to(c_ptr.dtype.element_ty), mask=valid[:, None] & n_mask[None, :])
+
+
+@triton.jit
+def _combine_kernel(y_ptr, ids_ptr, out_ptr, h, num_local, expert_offset,
+                    TOP_K: tl.constexpr, BLOCK_H: tl.constexpr):
+    """out[t, cols] = sum over k of y[t * K + k, cols] for pairs routed to a local expert
+    (others were never written), in float32, stored in out's dtype."""
+    t = tl.program_id(0).to(tl.int64)
+    cols = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
+    mask = cols < h
+    acc = tl.zeros([BLOCK_H], tl.float32)
+    for k in tl.static_range(TOP_K):
+        e = tl.load(ids_ptr + t * TOP_K + k).to(tl.int64) - expert_offset
+        local = (e >= 0) & (e < num_local)
+        acc += tl.load(y_ptr + (t * TOP_K + k) * h + cols, mask=mask & local, other=0.0)
+    tl.store(out_ptr + t * h + cols, acc.to(out_ptr.dtype.element_ty), mask=mask)
 
 
 _DTYPES = (torch.float32, torch.float16, torch.bfloat16)
@@ -188,9 +204,15 @@ def fused_moe_triton(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_
             inter, tiles, block_n=tiles.block_n1, block_k=tiles.block_k1, a_by_pair=True,
             c_by_pair=False, fuse_silu=True, mul_weight=False)
 
-    # GEMM 2: intermediate @ w2[e]^T * weight -> y[p] (float32); non-local pairs stay zero.
-    y = torch.zeros((num_slots, h), dtype=torch.float32, device=x.device)
+    # GEMM 2: intermediate @ w2[e]^T * weight -> y[p] (float32); non-local rows stay unwritten.
+    y = torch.empty((num_slots, h), dtype=torch.float32, device=x.device)
     _launch(inter_buf, w2, y, weights, sorted_ids, block_expert, h, inter, num_slots, top_k,
             0, tiles, block_n=tiles.block_n2, block_k=tiles.block_k2, a_by_pair=False,
             c_by_pair=True, fuse_silu=False, mul_weight=True)
-    return y.view(t, top_k, h).sum(1).to(x.dtype)
+    # Combine: each token's local pairs summed in float32 (the combine skips non-local pairs).
+    out = torch.empty((t, h), dtype=x.dtype, device=x.device)
+    block_h = min(1024, triton.next_power_of_2(h))
+    ids = topk_ids if topk_ids.is_contiguous() else topk_ids.contiguous()
+    _combine_kernel[(t, triton.cdiv(h, block_h))](y, ids, out, h, e, expert_offset,
+                                                   TOP_K=top_k, BLOCK_H=block_h)
+    return out
