@@ -1,0 +1,288 @@
+"""Offline throughput (issue 6): the same batch workloads on epserve and on transformers
+continuous batching (``generate_batch``, paged attention), one process, one GPU, one run.
+
+Workloads: ``short`` = 256 requests x 256 prompt tokens -> 128 output tokens; ``long`` = 256
+x 1024 -> 256. Prompts are deterministic random token ids; both engines decode greedily with
+EOS off, so every request makes exactly the asked number of tokens (counted from the outputs
+and checked). Shapes default to Qwen3-30B-A3B with random bf16 weights (epserve:
+``load_format="dummy"``). transformers runs first (model freed: del + gc + empty_cache), then
+epserve. Each engine gets a small warm-up batch (other prompts) before each timed workload;
+wall time runs from submission to the last token. "mean step ms" = wall / engine steps
+(epserve only). "floor" = out_len decode steps, each reading the weights a batch of B routes to
+(``active_bytes`` with top-k replaced by the expected distinct experts E(1-(1-k/E)^B)), at
+``--hbm-gbps``; prefill and KV reads are left out, so it is a lower bound. Table printed last.
+
+    python bench/throughput.py [--workload short long] [--layers 48] [--skip-transformers]
+    python bench/throughput.py --tiny --device cpu --workload short --requests 8   # smoke test
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import gc
+import json
+import random
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+
+def _no_ray(exc: ModuleNotFoundError) -> bool:
+    """True (after a clear message) when epserve's single-GPU path needed Ray or pydantic."""
+    if (exc.name or "").split(".")[0] not in ("ray", "pydantic"):
+        return False
+    print(f"error: epserve's LLM(ep_size=1) path imported {exc.name!r}, which is not installed "
+          f"here; the single-GPU path should not need it (report it)", file=sys.stderr)
+    return True
+
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+try:  # decode_latency imports epserve's LLM
+    from decode_latency import QWEN3_30B_A3B, active_bytes  # noqa: E402
+except ModuleNotFoundError as _exc:
+    if _no_ray(_exc):
+        sys.exit(2)
+    raise
+
+WORKLOADS = {"short": (256, 256, 128), "long": (256, 1024, 256)}  # requests, in, out
+TINY = dict(QWEN3_30B_A3B, vocab_size=512, hidden_size=64, intermediate_size=96,
+            moe_intermediate_size=32, num_hidden_layers=2, num_attention_heads=4,
+            num_key_value_heads=2, head_dim=16, num_experts=8, num_experts_per_tok=2)
+WARM_REQUESTS, WARM_TOKENS = 16, 8
+
+
+@dataclasses.dataclass
+class Result:
+    workload: str
+    engine: str
+    wall_s: float | None = None
+    out_tokens: int = 0
+    steps: int | None = None
+    note: str = ""
+
+    @property
+    def tok_s(self) -> float | None:
+        return self.out_tokens / self.wall_s if self.wall_s else None
+
+
+def prompts(n: int, length: int, vocab: int, seed: int) -> list[list[int]]:
+    rng = random.Random(seed)
+    return [[rng.randrange(10, vocab) for _ in range(length)] for _ in range(n)]
+
+
+def floor_s(cfg: dict, batch: int, out_len: int, gbps: float) -> float:
+    e, k = cfg["num_experts"], cfg["num_experts_per_tok"]
+    touched = e * (1.0 - (1.0 - k / e) ** batch)
+    return out_len * active_bytes(dict(cfg, num_experts_per_tok=touched)) / (gbps * 1e9)
+
+
+def sync(device: str) -> None:
+    if device.startswith("cuda"):
+        torch.cuda.synchronize()
+
+
+def run_transformers(cfg: dict, work: dict, args, dtype: torch.dtype) -> list[Result]:
+    """transformers ``generate_batch`` per workload: a warm-up call that keeps its manager
+    (``persistent_manager=True``, so sized by the explicit config, not the warm-up's hints),
+    then the timed call on that manager; the manager is destroyed before the next workload."""
+    from transformers import AutoModelForCausalLM, GenerationConfig, Qwen3MoeConfig
+    from transformers.generation import ContinuousBatchingConfig
+
+    hf_cfg = Qwen3MoeConfig(**{k: v for k, v in cfg.items()
+                               if k not in ("architectures", "model_type", "torch_dtype")})
+    with torch.device(args.device):
+        model = AutoModelForCausalLM.from_config(
+            hf_cfg, dtype=dtype, attn_implementation=args.hf_attn).eval()
+    # 5.17 calls the KV page size block_size; later versions page_size (block_size deprecated)
+    fields = {f.name for f in dataclasses.fields(ContinuousBatchingConfig)}
+    page = "page_size" if "page_size" in fields else "block_size"
+    results = []
+    try:
+        for name, (n, in_len, out_len) in work.items():
+            cb_kw = {page: args.hf_block_size, "max_requests_per_batch": args.max_num_seqs,
+                     "max_batch_tokens": args.max_num_batched_tokens}
+            if args.hf_num_blocks or args.tiny:  # tiny: only what the workload needs (CPU)
+                need = n * (-(-(in_len + out_len) // args.hf_block_size))
+                cb_kw["num_blocks"] = args.hf_num_blocks or need
+            if "flash" in args.hf_attn:  # decode fast path: block table sized like the hints
+                blocks = -(-(in_len + out_len) // args.hf_block_size) + 1
+                cb_kw["max_blocks_per_request"] = blocks + blocks % 2
+            cb = ContinuousBatchingConfig(**cb_kw)
+            gen = GenerationConfig(max_new_tokens=out_len, do_sample=False, eos_token_id=-1,
+                                   pad_token_id=0)
+            warm = prompts(min(n, WARM_REQUESTS), in_len, cfg["vocab_size"], seed=1)
+            model.generate_batch(warm, generation_config=gen, continuous_batching_config=cb,
+                                 max_new_tokens=WARM_TOKENS, persistent_manager=True)
+            mgr = getattr(model, "_cached_continuous_batching_manager", None)
+            cache = getattr(getattr(mgr, "batch_processor", None), "cache", None)
+            rcfg = getattr(mgr, "continuous_batching_config", None)
+            print(f"[transformers {name}] attn={model.config._attn_implementation} "
+                  f"num_blocks={getattr(cache, 'num_blocks', '?')} "
+                  f"{page}={getattr(cache, 'block_size', args.hf_block_size)} "
+                  f"max_batch_tokens={getattr(cache, 'max_batch_tokens', '?')} "
+                  f"max_requests_per_batch={getattr(rcfg, 'max_requests_per_batch', '?')} "
+                  f"cuda_graphs={getattr(rcfg, 'use_cuda_graph', '?')}", flush=True)
+            mgr = cache = rcfg = None  # no reference to the model may outlive this function
+            ps = prompts(n, in_len, cfg["vocab_size"], seed=0)
+            sync(args.device)
+            t0 = time.perf_counter()
+            outs = model.generate_batch(ps, generation_config=gen, continuous_batching_config=cb,
+                                        max_new_tokens=out_len, record_timestamps=True)
+            wall = time.perf_counter() - t0
+            model.destroy_cached_continuous_batching_manager()
+            got = [len(o.generated_tokens) for o in outs.values() if o.error is None]
+            stamps = [o.timestamps[-1] for o in outs.values() if o.timestamps]
+            if stamps:  # submission -> last token (leaves out the manager's stop and gc)
+                wall = max(stamps) - t0
+            note = "" if len(got) == n and set(got) == {out_len} else (
+                f"only {len(got)}/{n} requests ok, tokens {sorted(set(got))}")
+            results.append(Result(name, "transformers", wall, sum(got), None, note))
+    finally:
+        if hasattr(model, "destroy_cached_continuous_batching_manager"):
+            model.destroy_cached_continuous_batching_manager()
+        del model
+        gc.collect()
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()
+    return results
+
+
+def run_epserve(cfg: dict, work: dict, args, dtype: str) -> list[Result]:
+    from epserve import LLM, SamplingParams
+
+    folder = Path(tempfile.mkdtemp())
+    (folder / "config.json").write_text(json.dumps(cfg))
+    max_len = max(i + o for _, i, o in work.values())
+    extra = {"enforce_eager": True} if args.enforce_eager else {}
+    t0 = time.perf_counter()
+    llm = LLM(model=str(folder), dtype=dtype, load_format="dummy", device=args.device,
+              max_model_len=max_len, max_num_seqs=args.max_num_seqs,
+              max_num_batched_tokens=args.max_num_batched_tokens,
+              gpu_memory_utilization=args.gpu_memory_utilization, **extra)
+    runner = llm.runner
+    graphs = getattr(runner, "graphs", None)
+    print(f"[epserve] load {time.perf_counter() - t0:.1f} s, dtype={dtype}, "
+          f"max_num_seqs={args.max_num_seqs}, max_num_batched_tokens="
+          f"{args.max_num_batched_tokens}, max_model_len={max_len}, KV blocks="
+          f"{runner.num_blocks} x {runner.block_size} tokens, gpu_memory_utilization="
+          f"{args.gpu_memory_utilization}, decode CUDA graphs="
+          f"{'off' if graphs is None else getattr(graphs, 'rungs', 'on')}, "
+          f"prefix caching on (prompts share no prefix)", flush=True)
+    steps = [0]
+    real_step = llm.engine.step
+
+    def counted_step():
+        steps[0] += 1
+        return real_step()
+
+    llm.engine.step = counted_step  # instance attribute: counts engine steps, nothing else
+    results = []
+    for name, (n, in_len, out_len) in work.items():
+        warm = prompts(min(n, WARM_REQUESTS), in_len, cfg["vocab_size"], seed=1)
+        llm.generate([{"prompt_token_ids": p} for p in warm],
+                     SamplingParams(temperature=0.0, max_tokens=WARM_TOKENS, ignore_eos=True))
+        ps = [{"prompt_token_ids": p} for p in prompts(n, in_len, cfg["vocab_size"], seed=0)]
+        sp = SamplingParams(temperature=0.0, max_tokens=out_len, ignore_eos=True)
+        steps[0] = 0
+        sync(args.device)
+        t0 = time.perf_counter()
+        outs = llm.generate(ps, sp)
+        sync(args.device)
+        wall = time.perf_counter() - t0
+        got = [len(o.outputs[0].token_ids) for o in outs]
+        note = "" if set(got) == {out_len} else f"tokens per request {sorted(set(got))}"
+        results.append(Result(name, "epserve", wall, sum(got), steps[0], note))
+    llm.close()
+    return results
+
+
+def fmt(x: float | None, spec: str) -> str:
+    return "-" if x is None else format(x, spec)
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--workload", nargs="+", choices=sorted(WORKLOADS), default=["short", "long"])
+    ap.add_argument("--requests", type=int, help="override the workload's request count")
+    ap.add_argument("--in-len", type=int, help="override the prompt length")
+    ap.add_argument("--out-len", type=int, help="override the output length")
+    ap.add_argument("--layers", type=int, default=48)
+    ap.add_argument("--tiny", action="store_true", help="2-layer tiny config (CPU smoke test)")
+    ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    ap.add_argument("--skip-transformers", action="store_true")
+    ap.add_argument("--max-num-seqs", type=int, default=256)
+    ap.add_argument("--max-num-batched-tokens", type=int, default=8192)
+    ap.add_argument("--gpu-memory-utilization", type=float, default=0.9)
+    ap.add_argument("--enforce-eager", action="store_true", help="epserve: no CUDA graphs")
+    ap.add_argument("--hf-attn", default=None,
+                    help="transformers attn_implementation (default: paged|flash_attention_2 "
+                         "when flash_attn is importable on CUDA, else paged|sdpa)")
+    ap.add_argument("--hf-block-size", type=int, default=256, help="transformers KV page size")
+    ap.add_argument("--hf-num-blocks", type=int,
+                    help="transformers KV blocks (default: sized from free memory)")
+    ap.add_argument("--hbm-gbps", type=float, default=4251.0, help="measured d2d copy GB/s")
+    args = ap.parse_args(argv)
+    if args.hf_attn is None:
+        import importlib.util
+
+        flash = args.device.startswith("cuda") and importlib.util.find_spec("flash_attn")
+        args.hf_attn = "paged|flash_attention_2" if flash else "paged|sdpa"
+    cfg = TINY if args.tiny else dict(QWEN3_30B_A3B, num_hidden_layers=args.layers)
+    on_cuda = args.device.startswith("cuda")
+    work = {}
+    for w in args.workload:
+        n, i, o = WORKLOADS[w]
+        work[w] = (args.requests or n, args.in_len or i, args.out_len or o)
+    results: list[Result] = []
+    if not args.skip_transformers:
+        try:
+            results += run_transformers(cfg, work, args, torch.bfloat16 if on_cuda else torch.float32)
+        except Exception as exc:  # noqa: BLE001 - a failed baseline must not lose epserve's rows
+            msg = f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"
+            print(f"[transformers] generate_batch could not run on {args.device}, skipped: {msg}",
+                  flush=True)
+            results += [Result(w, "transformers", note="skipped, see above") for w in work]
+        gc.collect()
+        if on_cuda:
+            torch.cuda.empty_cache()
+            free, total = torch.cuda.mem_get_info()
+            print(f"[transformers freed] GPU memory in use before epserve loads: "
+                  f"{(total - free) / 2**30:.1f} of {total / 2**30:.1f} GiB", flush=True)
+    try:
+        results += run_epserve(cfg, work, args, "bfloat16" if on_cuda else "float32")
+    except ModuleNotFoundError as exc:
+        if _no_ray(exc):
+            return 2
+        raise
+
+    print(f"\nmodel: Qwen3-30B-A3B shape{' (tiny)' if args.tiny else ''}, "
+          f"{cfg['num_hidden_layers']} layers, random {'bf16' if on_cuda else 'fp32'}, "
+          f"device {args.device}; greedy, EOS ignored; transformers attn {args.hf_attn}")
+    print("| workload | engine | wall s | out tok/s | mean step ms | floor / wall "
+          "| epserve / transformers |")
+    print("|---|---|---:|---:|---:|---:|---:|")
+    for w, (n, in_len, out_len) in work.items():
+        fl = floor_s(cfg, min(n, args.max_num_seqs), out_len, args.hbm_gbps)
+        rows = {r.engine: r for r in results if r.workload == w}
+        hf, ep = rows.get("transformers"), rows.get("epserve")
+        label = f"{w} ({n} x {in_len}->{out_len})"
+        for r in (hf, ep):
+            if r is None:
+                continue
+            step = r.wall_s / r.steps * 1e3 if r.steps and r.wall_s else None
+            frac = fl / r.wall_s if r.wall_s else None
+            ratio = "-"
+            if r is ep and hf is not None and hf.tok_s and ep.tok_s:
+                ratio = f"{ep.tok_s / hf.tok_s:.2f}x"
+            note = f" ({r.note})" if r.note else ""
+            print(f"| {label} | {r.engine}{note} | {fmt(r.wall_s, '.2f')} | "
+                  f"{fmt(r.tok_s, '.1f')} | {fmt(step, '.2f')} | {fmt(frac, '.3f')} | {ratio} |")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
