@@ -1,18 +1,27 @@
-"""Per-row token sampling and logprobs on the runner's device, from float32 logits.
+"""Per-row token sampling and logprobs on the runner's device, from float logits.
 
 Invariants: a row's draw depends only on (its ``RowSampling``, its output index, its logits),
-never on the other rows or their order: each random row gets its own generator seeded with
-``mix_seed(seed, output_index)``. Greedy is argmax with ties to the lowest id. Banned ids are
-never picked (greedy included). Logprobs are of the raw logits (before banning, temperature
-and filters), as vLLM's default; ties in a top-k list keep the lower id first.
+never on the other rows or their order: its noise is a counter-based hash of
+``mix_seed(seed, output_index)`` and the vocab id (``epserve.kernels.sampling_noise``), so the
+CPU reference and the CUDA kernel draw the same token from the same logits. Greedy is argmax
+with ties to the lowest id. Banned ids are never picked (greedy included). Random rows draw by
+Gumbel-max on ``logits / temperature`` restricted to the top-k / top-p / min-p kept set (a
+prefix of the stable descending sort). Logprobs are of the raw logits (before banning,
+temperature and filters), as vLLM's default; ties in a top-k list keep the lower id first.
+
+Device work: one batched launch for all rows (plus one sort over the rows with filters); the
+per-row parameters travel in two host tensors (pinned, non-blocking on CUDA); the only host
+sync is the final read-back of tokens and logprobs.
 """
 
 from __future__ import annotations
 
+import math
 from typing import Sequence
 
 import torch
 
+from epserve.kernels.sampling_noise import apply_bans, gumbel_argmax
 from epserve.models.traits import PromptTokenLogprob, RowSampling, SampledToken
 
 _MASK64 = (1 << 64) - 1
@@ -29,62 +38,53 @@ def _splitmix64(x: int) -> int:
 
 
 def mix_seed(seed: int, output_index: int) -> int:
-    """The 64-bit generator seed for a row's ``output_index``-th draw (counter-based)."""
+    """The 64-bit noise key for a row's ``output_index``-th draw (counter-based)."""
     return _splitmix64(_splitmix64(seed & _MASK64) ^ (output_index & _MASK64))
 
 
-def _ban(x: torch.Tensor, banned: Sequence[Sequence[int]]) -> None:
-    """Set ``x[i, banned[i]]`` to -inf in place (one scatter for all rows): x: [N, V] f32."""
-    v = x.shape[1]
-    rows = [i for i, ids in enumerate(banned) for t in ids if 0 <= t < v]
-    cols = [t for ids in banned for t in ids if 0 <= t < v]
-    if rows:
-        idx_r = torch.tensor(rows, device=x.device, dtype=torch.long)
-        idx_c = torch.tensor(cols, device=x.device, dtype=torch.long)
-        x[idx_r, idx_c] = float("-inf")
+def _ship(values: list, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """A host list as a tensor on ``device`` without a host sync (pinned, non-blocking on CUDA)."""
+    t = torch.tensor(values, dtype=dtype)
+    if device.type == "cuda":
+        return t.pin_memory().to(device, non_blocking=True)
+    return t.to(device)
 
 
-def _filter_sorted(sorted_x: torch.Tensor, rows: Sequence[RowSampling]) -> torch.Tensor:
-    """Apply top-k, then top-p, then min-p to temperature-scaled logits sorted descending
-    (sorted_x: [N, V] f32); returns them with removed entries at -inf. Position 0 (the max)
-    always survives, so every row keeps at least one token."""
-    n, v = sorted_x.shape
-    dev = sorted_x.device
-    pos = torch.arange(v, device=dev).unsqueeze(0)
-    ks = torch.tensor([r.top_k if r.top_k > 0 else v for r in rows], device=dev).unsqueeze(1)
-    x = sorted_x.masked_fill(pos >= ks, float("-inf"))
-    top_p = torch.tensor([r.top_p for r in rows], device=dev, dtype=torch.float32).unsqueeze(1)
-    if bool((top_p < 1.0).any()):
-        probs = torch.softmax(x, dim=-1)
-        mass_before = torch.cumsum(probs, dim=-1) - probs
-        # Rows with top_p == 1 skip this: rounding can push the tail's mass_before to 1.0.
-        drop = (mass_before >= top_p) & (top_p < 1.0)
-        drop[:, 0] = False
-        x = x.masked_fill(drop, float("-inf"))
-    min_p = torch.tensor([r.min_p for r in rows], device=dev, dtype=torch.float32).unsqueeze(1)
-    if bool((min_p > 0.0).any()):
+def _as_int64(u: int) -> int:
+    """The int64 with the bits of the uint64 ``u``."""
+    return u - (1 << 64) if u >= 1 << 63 else u
+
+
+def _is_filtered(r: RowSampling, v: int) -> bool:
+    return 0 < r.top_k < v or r.top_p < 1.0 or r.min_p > 0.0
+
+
+def _cutoffs(s: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor, log_min_p: torch.Tensor,
+             use_p: bool, use_min_p: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """Where each row's kept set ends: top-k, then top-p, then min-p, on temperature-scaled,
+    banned logits s: [F, V] f32 in stable descending order. Each filter keeps a prefix of that
+    order (at least its first entry), so the kept set is the first L entries; returns the L-th
+    entry's (value [F] f32, id [F] int64), the ``thr, tid`` of ``gumbel_argmax``.
+
+    top_k: [F] int64 (V = off); top_p: [F] f32 (1 = off); log_min_p: [F] f32 (-inf = off);
+    use_p / use_min_p: whether any row has that filter (decided on the host, no sync)."""
+    v = s.shape[1]
+    sorted_s, order = torch.sort(s, dim=-1, descending=True, stable=True)
+    keep = top_k.clamp(1, v)
+    if use_p:
+        pos = torch.arange(v, device=s.device)
+        probs = torch.softmax(sorted_s.masked_fill(pos >= keep.unsqueeze(1), float("-inf")), dim=-1)
+        cum = torch.cumsum(probs, dim=-1, dtype=torch.float64)  # float64: CPU and CUDA agree
+        mass_before = torch.cat([torch.zeros_like(cum[:, :1]), cum[:, :-1]], dim=1)
+        # Rows with top_p == 1 keep everything: rounding can leave the tail's mass_before at 1.0.
+        n_p = torch.where(top_p < 1.0, (mass_before < top_p.unsqueeze(1)).sum(-1), v)
+        keep = torch.minimum(keep, n_p.clamp(min=1))
+    if use_min_p:
         # p_i / p_max is unchanged by renormalisation, so min-p can use the logit gap.
-        gap = x - x[:, :1]
-        drop = gap < torch.log(min_p)
-        drop[:, 0] = False
-        x = x.masked_fill(drop, float("-inf"))
-    return x
-
-
-def _draw(x: torch.Tensor, rows: Sequence[RowSampling], output_indices: Sequence[int]) -> torch.Tensor:
-    """Sample one id per row of filtered, scaled logits x: [N, V] f32 -> [N] long.
-
-    Exponential race: argmax_i p_i / E_i with E_i ~ Exp(1) picks i with probability p_i. The
-    E_i come from the row's own counter-seeded generator, one [V] vector per row."""
-    probs = torch.softmax(x, dim=-1)
-    noise = torch.empty_like(probs)
-    for j, (r, idx) in enumerate(zip(rows, output_indices)):
-        g = torch.Generator(device=x.device)
-        g.manual_seed(mix_seed(r.seed, idx))
-        noise[j].exponential_(generator=g)
-    # An exact 0 from the generator would turn p/0 into inf (or NaN for p == 0).
-    noise.clamp_(min=torch.finfo(torch.float32).tiny)
-    return torch.argmax(probs / noise, dim=-1)
+        n_m = (sorted_s - sorted_s[:, :1] >= log_min_p.unsqueeze(1)).sum(-1)
+        keep = torch.minimum(keep, n_m.clamp(min=1))
+    last = (keep - 1).unsqueeze(1)
+    return sorted_s.gather(1, last).squeeze(1), order.gather(1, last).squeeze(1)
 
 
 def _stable_topk(lp: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -94,66 +94,74 @@ def _stable_topk(lp: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
     return vals[:, :k], ids[:, :k]
 
 
-def _logprobs(logits: torch.Tensor, tokens: torch.Tensor, rows: Sequence[RowSampling],
-              want: list[int]) -> dict[int, tuple[float, tuple[tuple[int, float], ...]]]:
-    """Raw logprobs of the chosen tokens and top-k, for the rows in ``want`` (one log_softmax)."""
-    if not want:
-        return {}
-    w = torch.tensor(want, device=logits.device, dtype=torch.long)
-    lp = torch.log_softmax(logits.index_select(0, w), dim=-1)
-    chosen = lp.gather(1, tokens.index_select(0, w).unsqueeze(1)).squeeze(1).tolist()
-    kmax = max(rows[i].logprobs or 0 for i in want)
-    top_v, top_i = _stable_topk(lp, kmax) if kmax else (None, None)
-    top_v = top_v.tolist() if top_v is not None else None
-    top_i = top_i.tolist() if top_i is not None else None
-    out = {}
-    for j, i in enumerate(want):
-        k = rows[i].logprobs or 0
-        top = tuple(zip(top_i[j][:k], top_v[j][:k])) if k else ()
-        out[i] = (chosen[j], top)
-    return out
-
-
 def sample_rows(logits: torch.Tensor, rows: Sequence[RowSampling],
                 output_indices: Sequence[int]) -> list[SampledToken]:
     """One sampled token per row.
 
     logits: [R, V] float32 (other float dtypes are upcast); rows: R ``RowSampling``;
-    output_indices: R ints, each row's count of tokens sampled before this one (the
-    generator's counter). Greedy rows are one batched argmax; random rows are filtered in one
-    batch and drawn with one generator per row.
+    output_indices: R ints, each row's count of tokens sampled before this one (the noise
+    counter). Scaled logits are ``float32(logit) * float32(1 / temperature)``; rows with
+    top-k / top-p / min-p are sorted once (together) to find where their kept set ends; then
+    every row, greedy ones included, is drawn by one ``gumbel_argmax`` over the batch.
     """
     n = logits.shape[0]
     if len(rows) != n or len(output_indices) != n:
         raise ValueError(f"sample_rows: {n} logit rows, {len(rows)} RowSampling, "
                          f"{len(output_indices)} output indices")
-    logits = logits.float()
-    tokens = torch.empty(n, dtype=torch.long, device=logits.device)
-    greedy = [i for i, r in enumerate(rows) if r.temperature <= GREEDY_TEMPERATURE_EPS]
-    rand = [i for i, r in enumerate(rows) if r.temperature > GREEDY_TEMPERATURE_EPS]
-    for group, is_greedy in ((greedy, True), (rand, False)):
-        if not group:
-            continue
-        g_idx = torch.tensor(group, device=logits.device, dtype=torch.long)
-        x = logits.index_select(0, g_idx)  # a copy: banning below must not touch the raw logits
-        g_rows = [rows[i] for i in group]
-        _ban(x, [r.banned_token_ids for r in g_rows])
-        if is_greedy:
-            tokens[g_idx] = torch.argmax(x, dim=-1)
-            continue
-        temps = torch.tensor([r.temperature for r in g_rows], device=x.device, dtype=torch.float32)
-        sorted_x, order = torch.sort(x / temps.unsqueeze(1), dim=-1, descending=True, stable=True)
-        filtered = torch.full_like(x, float("-inf")).scatter_(1, order, _filter_sorted(sorted_x, g_rows))
-        tokens[g_idx] = _draw(filtered, g_rows, [output_indices[i] for i in group])
-    lps = _logprobs(logits, tokens, rows, [i for i, r in enumerate(rows) if r.logprobs is not None])
-    out = []
-    for i, t in enumerate(tokens.tolist()):
-        lp, top = lps.get(i, (0.0, ()))
-        out.append(SampledToken(token_id=t, logprob=lp, top=top))
+    if n == 0:
+        return []
+    v, dev = logits.shape[1], logits.device
+    greedy = [r.temperature <= GREEDY_TEMPERATURE_EPS for r in rows]
+    bans = [[t for t in r.banned_token_ids if 0 <= t < v] for r in rows]
+    nb = max(len(b) for b in bans)
+    filt = [i for i, r in enumerate(rows) if not greedy[i] and _is_filtered(r, v)]
+    want = [i for i, r in enumerate(rows) if r.logprobs is not None]
+    nf, nw = len(filt), len(want)
+    ints = [0 if g else _as_int64(mix_seed(r.seed, o))
+            for r, o, g in zip(rows, output_indices, greedy)]
+    ints += [0 if g else 1 for g in greedy]
+    ints += [t for b in bans for t in b + [-1] * (nb - len(b))]
+    ints += filt + [rows[i].top_k if 0 < rows[i].top_k < v else v for i in filt] + want
+    floats = [1.0 if g else 1.0 / r.temperature for r, g in zip(rows, greedy)]
+    floats += [rows[i].top_p for i in filt]
+    floats += [math.log(rows[i].min_p) if rows[i].min_p > 0 else -math.inf for i in filt]
+    it, ft = _ship(ints, torch.int64, dev), _ship(floats, torch.float32, dev)
+    keys, noisy = it[:n], it[n:2 * n]
+    banned = it[2 * n:2 * n + n * nb].view(n, nb)
+    f_idx, f_k, w_idx = it[2 * n + n * nb:].split([nf, nf, nw])
+    inv_t, f_p, f_logmin = ft.split([n, nf, nf])
+
+    thr = torch.full((n,), float("-inf"), device=dev)
+    tid = torch.full((n,), v, dtype=torch.int64, device=dev)
+    if filt:
+        s = logits.index_select(0, f_idx).float() * inv_t.index_select(0, f_idx).unsqueeze(1)
+        apply_bans(s, banned.index_select(0, f_idx))
+        f_thr, f_tid = _cutoffs(s, f_k, f_p, f_logmin, any(rows[i].top_p < 1.0 for i in filt),
+                                any(rows[i].min_p > 0.0 for i in filt))
+        thr.index_copy_(0, f_idx, f_thr)
+        tid.index_copy_(0, f_idx, f_tid)
+    tokens = gumbel_argmax(logits, keys, inv_t, noisy, thr, tid, banned)
+
+    parts = [tokens.to(torch.float64)]
+    kmax = min(max((rows[i].logprobs or 0 for i in want), default=0), v)
+    if want:  # raw logprobs of the chosen tokens and the top-k (one log_softmax)
+        lp = torch.log_softmax(logits.index_select(0, w_idx).float(), dim=-1)
+        parts.append(lp.gather(1, tokens.index_select(0, w_idx).unsqueeze(1)).squeeze(1).double())
+        if kmax:
+            top_v, top_i = _stable_topk(lp, kmax)
+            parts += [top_i.flatten().double(), top_v.flatten().double()]
+    flat = torch.cat(parts).tolist()  # the one host sync
+    out = [SampledToken(token_id=int(t)) for t in flat[:n]]
+    for j, i in enumerate(want):
+        k = min(rows[i].logprobs or 0, v)
+        ids0, vals0 = n + nw + j * kmax, n + nw + nw * kmax + j * kmax
+        top = tuple(zip(map(int, flat[ids0:ids0 + k]), flat[vals0:vals0 + k]))
+        out[i] = SampledToken(token_id=out[i].token_id, logprob=flat[n + j], top=top)
     return out
 
 
-def prompt_logprobs_rows(logits: torch.Tensor, targets: Sequence[int], k: int) -> list[PromptTokenLogprob]:
+def prompt_logprobs_rows(logits: torch.Tensor, targets: Sequence[int],
+                         k: int) -> list[PromptTokenLogprob]:
     """Score prompt positions: row p of logits: [P, V] float32 predicts ``targets[p]``.
 
     Returns P ``PromptTokenLogprob`` with the target's raw logprob (-inf for an id outside the
@@ -164,14 +172,17 @@ def prompt_logprobs_rows(logits: torch.Tensor, targets: Sequence[int], k: int) -
     if p == 0:
         return []
     lp = torch.log_softmax(logits.float(), dim=-1)
-    tgt = torch.tensor([t if 0 <= t < v else 0 for t in targets], device=lp.device, dtype=torch.long)
-    chosen = lp.gather(1, tgt.unsqueeze(1)).squeeze(1).tolist()
-    top_v, top_i = _stable_topk(lp, k) if k > 0 else (None, None)
-    top_v = top_v.tolist() if top_v is not None else None
-    top_i = top_i.tolist() if top_i is not None else None
+    tgt = _ship([t if 0 <= t < v else 0 for t in targets], torch.int64, lp.device)
+    parts = [lp.gather(1, tgt.unsqueeze(1)).squeeze(1).double()]
+    kk = min(k, v) if k > 0 else 0
+    if kk:
+        top_v, top_i = _stable_topk(lp, kk)
+        parts += [top_i.flatten().double(), top_v.flatten().double()]
+    flat = torch.cat(parts).tolist()  # the one host sync
     out = []
     for j, t in enumerate(targets):
-        lpj = chosen[j] if 0 <= t < v else float("-inf")
-        top = tuple(zip(top_i[j], top_v[j])) if k > 0 else ()
+        lpj = flat[j] if 0 <= t < v else float("-inf")
+        i0, v0 = p + j * kk, p + p * kk + j * kk
+        top = tuple(zip(map(int, flat[i0:i0 + kk]), flat[v0:v0 + kk]))
         out.append(PromptTokenLogprob(token_id=int(t), logprob=lpj, top=top))
     return out
