@@ -3,13 +3,20 @@
 Invariants: ``slot_mapping[t]`` is ``block_id * block_size + offset`` for row t, or -1 for a
 padded row, which writes nothing (CUDA-graph padding relies on it). K/V are cast to the
 cache's dtype.
+
+``write_kv`` runs ``epserve.kernels.kv_write_triton`` (one launch for K and V, CUDA-graph
+capturable: padding is a store mask, not a boolean index) for CUDA tensors, or anywhere while
+``TRITON_INTERPRET=1`` (CPU tests), when triton imports and the layout is one it covers; the
+reference otherwise.
 """
 
 from __future__ import annotations
 
+import os
+
 import torch
 
-
+_TRITON_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 
 
 def write_kv_ref(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
@@ -33,8 +40,30 @@ def write_kv(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: t
     if slot_mapping.shape != (k.shape[0],):
         raise ValueError(f"write_kv: slot_mapping shape {tuple(slot_mapping.shape)}, "
                          f"expected ({k.shape[0]},)")
-    # Dispatch point: a Triton kernel for CUDA tensors goes here; the reference runs elsewhere.
+    if _use_triton(k, v, k_cache, v_cache, slot_mapping):
+        from epserve.kernels.kv_write_triton import write_kv_triton
+
+        write_kv_triton(k, v, k_cache, v_cache, slot_mapping)
+        return
     write_kv_ref(k, v, k_cache, v_cache, slot_mapping)
+
+
+def _use_triton(k, v, k_cache, v_cache, slot_mapping) -> bool:
+    """CUDA (or TRITON_INTERPRET=1), triton importable, and dtypes/layouts the kernel covers."""
+    if not (k.is_cuda or os.environ.get("TRITON_INTERPRET") == "1"):
+        return False
+    tensors = (k, v, k_cache, v_cache)
+    if any(t.dtype not in _TRITON_DTYPES or t.stride(-1) != 1 for t in tensors):
+        return False
+    if slot_mapping.dtype not in (torch.int64, torch.int32):
+        return False
+    if any(t.device != k.device for t in (v, k_cache, v_cache, slot_mapping)):
+        return False
+    try:  # lazy: triton is optional; without it every device runs the reference
+        import epserve.kernels.kv_write_triton  # noqa: F401
+    except ImportError:
+        return False
+    return True
 
 
 def _check_kv_shapes(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,

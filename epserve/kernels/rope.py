@@ -3,11 +3,20 @@
 Invariants: the cos/sin cache is float32, ``[P, D/2]``, with ``inv_freq`` and angles computed
 exactly as transformers' default rope does; dimension ``i < D/2`` is paired with ``i + D/2``.
 The rotation runs in float32 and returns the inputs' dtype.
+
+``apply_qk_norm_rope`` (per-head q/k RMSNorm, then rope) runs ``epserve.kernels.rope_triton``
+(one launch, in place, CUDA-graph capturable) for CUDA tensors, or anywhere while
+``TRITON_INTERPRET=1`` (CPU tests), when triton imports and the layout is one it covers; the
+reference otherwise.
 """
 
 from __future__ import annotations
 
+import os
+
 import torch
+
+from epserve.kernels.norm import rms_norm_ref
 
 
 def build_rope_cache(head_dim: int, max_positions: int, theta: float,
@@ -50,3 +59,70 @@ def apply_rope(q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor, cos_ca
                          f"{tuple(cos_cache.shape)} disagree on head_dim")
     # Dispatch point: a Triton kernel for CUDA tensors goes here.
     return rope_ref(q, k, positions, cos_cache, sin_cache)
+
+
+def apply_qk_norm_rope_ref(q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor,
+                           cos_cache: torch.Tensor, sin_cache: torch.Tensor,
+                           q_weight: torch.Tensor | None = None,
+                           k_weight: torch.Tensor | None = None,
+                           eps: float = 1e-6) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per-head RMSNorm of q / k over D with q_weight / k_weight [D] (each only when given),
+    then ``rope_ref``. Shapes as ``rope_ref``; returns new (q, k), inputs untouched."""
+    if q_weight is not None:
+        q = rms_norm_ref(q, q_weight, eps)
+    if k_weight is not None:
+        k = rms_norm_ref(k, k_weight, eps)
+    return rope_ref(q, k, positions, cos_cache, sin_cache)
+
+
+def apply_qk_norm_rope(q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor,
+                       cos_cache: torch.Tensor, sin_cache: torch.Tensor,
+                       q_weight: torch.Tensor | None = None, k_weight: torch.Tensor | None = None,
+                       eps: float = 1e-6) -> tuple[torch.Tensor, torch.Tensor]:
+    """Public entry for ``apply_qk_norm_rope_ref``, IN PLACE on every path.
+
+    q: [T, Hq, D]; k: [T, Hkv, D] (may be strided views, e.g. of one fused qkv output);
+    positions: [T]; cos_cache, sin_cache: [P, D/2]; q_weight, k_weight: [D] or None. Writes the
+    result into q and k and returns them (the same objects).
+    """
+    if q.dim() != 3 or k.dim() != 3 or q.shape[0] != k.shape[0] or q.shape[2] != k.shape[2]:
+        raise ValueError(f"apply_qk_norm_rope: q {tuple(q.shape)} and k {tuple(k.shape)} must be "
+                         f"[T, Hq, D] and [T, Hkv, D]")
+    d = q.shape[2]
+    if cos_cache.shape[-1] * 2 != d or sin_cache.shape != cos_cache.shape:
+        raise ValueError(f"apply_qk_norm_rope: q {tuple(q.shape)} and caches "
+                         f"{tuple(cos_cache.shape)} / {tuple(sin_cache.shape)} disagree on head_dim")
+    for name, w in (("q_weight", q_weight), ("k_weight", k_weight)):
+        if w is not None and tuple(w.shape) != (d,):
+            raise ValueError(f"apply_qk_norm_rope: {name} {tuple(w.shape)} must be [{d}]")
+    if _use_triton(q, k, positions, cos_cache, sin_cache, q_weight, k_weight):
+        from epserve.kernels.rope_triton import qk_norm_rope_triton
+
+        return qk_norm_rope_triton(q, k, positions, cos_cache, sin_cache, q_weight, k_weight, eps)
+    q_new, k_new = apply_qk_norm_rope_ref(q, k, positions, cos_cache, sin_cache, q_weight,
+                                          k_weight, eps)
+    q.copy_(q_new)
+    k.copy_(k_new)
+    return q, k
+
+
+_TRITON_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+
+
+def _use_triton(q, k, positions, cos_cache, sin_cache, q_weight, k_weight) -> bool:
+    """CUDA (or TRITON_INTERPRET=1), triton importable, and a layout the kernel covers."""
+    if not (q.is_cuda or os.environ.get("TRITON_INTERPRET") == "1"):
+        return False
+    if (q.dtype not in _TRITON_DTYPES or k.dtype != q.dtype or q.stride(2) != 1
+            or k.stride(2) != 1 or cos_cache.stride(-1) != 1 or sin_cache.stride(-1) != 1
+            or positions.dtype not in (torch.int64, torch.int32)):
+        return False
+    tensors = [k, positions, cos_cache, sin_cache] + [w for w in (q_weight, k_weight)
+                                                      if w is not None]
+    if any(t.device != q.device for t in tensors):
+        return False
+    try:  # lazy: triton is optional; without it every device runs the reference
+        import epserve.kernels.rope_triton  # noqa: F401
+    except ImportError:
+        return False
+    return True

@@ -21,7 +21,7 @@ from epserve.kernels.attention import AttentionMetadata, paged_attention
 from epserve.kernels.kv_write import write_kv
 from epserve.kernels.moe import fused_moe
 from epserve.kernels.norm import fused_add_rms_norm, rms_norm
-from epserve.kernels.rope import apply_rope, build_rope_cache
+from epserve.kernels.rope import apply_qk_norm_rope, apply_rope, build_rope_cache
 from epserve.models.config import CheckpointError, ModelConfig
 from epserve.models.parallel import ParallelInfo
 
@@ -86,9 +86,11 @@ class Attention(nn.Module):
         q = self.q_proj(x).view(t, self.num_heads, self.head_dim)  # [T, Hq, D]
         k = self.k_proj(x).view(t, self.num_kv_heads, self.head_dim)  # [T, Hkv, D]
         v = self.v_proj(x).view(t, self.num_kv_heads, self.head_dim)
-        if self.q_norm is not None:
-            q, k = self.q_norm(q), self.k_norm(k)
-        q, k = rope(positions, q, k)
+        # Per-head q/k RMSNorm (Qwen3; None skips it) and rope: one kernel, in place.
+        qw = None if self.q_norm is None else self.q_norm.weight
+        kw = None if self.k_norm is None else self.k_norm.weight
+        eps = self.q_norm.eps if self.q_norm is not None else 1e-6
+        q, k = apply_qk_norm_rope(q, k, positions, rope.cos_cache, rope.sin_cache, qw, kw, eps)
         k_cache, v_cache = kv_cache
         write_kv(k, v, k_cache, v_cache, meta.slot_mapping)
         out = paged_attention(q, k_cache, v_cache, meta, self.scale, self.sliding_window)
