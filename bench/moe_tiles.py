@@ -40,7 +40,7 @@ def candidates(quick: bool) -> list[dict]:
     out = []
     for bm, bn, bk, warps, stages in itertools.product(
             (16, 32, 64), (32, 64, 128), (64, 128), (4, 8), (3, 4)):
-        if quick and (bk == 128 or stages == 4):
+        if quick and stages == 4:
             continue
         out.append(dict(block_m=bm, block_n1=bn, block_k1=bk, block_n2=bn, block_k2=bk,
                         num_warps=warps, num_stages=stages))

@@ -123,10 +123,13 @@ class MoeTiles:
 
 
 def default_tiles(num_pairs: int, num_local: int, h: int, inter: int) -> MoeTiles:
-    """Tiles from the mean pairs per expert if routing were uniform (no sync): small blocks
-    for decode, where each expert sees a few rows and the GEMMs only stream weights."""
+    """Tiles from the mean pairs per expert if routing were uniform (no sync). ``block_m``
+    covers the mean plus three standard deviations (Poisson), so most experts fit one block
+    and their weights are streamed once; decode (a few rows per expert) only streams weights.
+    """
     avg = num_pairs / max(num_local, 1)
-    bm = 16 if avg <= 16 else (32 if avg <= 48 else 64)
+    want = avg + 3.0 * avg ** 0.5
+    bm = 16 if want <= 16 else (32 if want <= 32 else 64)
     return MoeTiles(block_m=bm,
                     block_n1=min(64, max(16, triton.next_power_of_2(inter))),
                     block_k1=min(64, max(16, triton.next_power_of_2(h))),

@@ -124,20 +124,32 @@ def build_step_inputs(decode_tokens: Sequence[int], decode_seqs: Sequence[Sequen
         if row.sample:
             sample_index.append(qsl[-1] - 1)
             sampled_prefill.append(r)
-    pos_t, kv_t = _i64(pos, cpu), _i64(slots, cpu)
     width = -(-max(seq_lens) // bs)
+    # Two host buffers, one copy each (pinned + non-blocking on CUDA): int64 ids | positions |
+    # slots | sample index, and int32 seq_lens | block tables.
+    n, ns, nr = len(ids), len(seq_lens), len(sample_index)
+    pin = device.type == "cuda"
+    h64 = torch.frombuffer(array.array("q", ids + pos + slots + sample_index), dtype=torch.int64)
+    h32 = torch.empty(ns + ns * width, dtype=torch.int32, pin_memory=pin)
+    h32[:ns] = torch.frombuffer(array.array("i", seq_lens), dtype=torch.int32)
+    torch.index_select(tables.table[:, :width], 0, slot_t, out=h32[ns:].view(ns, width))
+    if pin:
+        h64 = h64.pin_memory()
+    d64 = h64.to(device, non_blocking=pin)
+    d32 = h32.to(device, non_blocking=pin)
     meta = AttentionMetadata(
-        slot_mapping=kv_t.to(device),
+        slot_mapping=d64[2 * n:3 * n],
         query_start_loc=tuple(qsl),
         seq_lens=tuple(seq_lens),
-        block_tables=tables.rows(slot_t, width).to(device),
+        block_tables=d32[ns:].view(ns, width),
         block_size=bs,
+        seq_lens_t=d32[:ns] if not prefill_rows else None,
     )
     return StepInputs(
-        input_ids=_i64(ids, device),
-        positions=pos_t.to(device),
+        input_ids=d64[:n],
+        positions=d64[n:2 * n],
         meta=meta,
-        sample_index=_i64(sample_index, device),
+        sample_index=d64[3 * n:3 * n + nr],
         decode_tokens=decode_tokens, decode_seqs=decode_seqs, prefill_rows=prefill_rows,
         sampled_prefill=tuple(sampled_prefill),
     )
