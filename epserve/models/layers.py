@@ -22,6 +22,7 @@ from epserve.kernels.kv_write import write_kv
 from epserve.kernels.moe import fused_moe
 from epserve.kernels.norm import fused_add_rms_norm, rms_norm
 from epserve.kernels.rope import apply_qk_norm_rope, apply_rope, build_rope_cache
+from epserve.kernels.router import topk_softmax
 from epserve.models.config import CheckpointError, ModelConfig
 from epserve.models.parallel import ParallelInfo
 
@@ -109,12 +110,9 @@ class TopKRouter(nn.Module):
         self.top_k, self.renormalize = top_k, renormalize
 
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """x: [T, H]. Returns topk_ids: [T, K] int64, topk_weights: [T, K] float32."""
-        probs = torch.softmax(F.linear(x, self.weight).float(), dim=-1)  # [T, E]
-        weights, ids = torch.topk(probs, self.top_k, dim=-1)  # [T, K]
-        if self.renormalize:
-            weights = weights / weights.sum(dim=-1, keepdim=True)
-        return ids, weights
+        """x: [T, H]. Returns topk_ids: [T, K] int64, topk_weights: [T, K] float32 (ties go
+        to the lower expert id)."""
+        return topk_softmax(F.linear(x, self.weight), self.top_k, self.renormalize)
 
 
 class StackedExperts(nn.Module):
