@@ -64,15 +64,19 @@ class RotaryEmbedding(nn.Module):
 
 
 class Attention(nn.Module):
-    """GQA self-attention over the paged KV cache; optional per-head q/k RMSNorm (Qwen3)."""
+    """GQA self-attention over the paged KV cache; optional per-head q/k RMSNorm (Qwen3).
+
+    q, k and v come from one fused projection ``qkv_proj`` (rows: Hq*D of q, then Hkv*D of k,
+    then Hkv*D of v; the checkpoint's q_proj / k_proj / v_proj load into those slices): one
+    GEMM instead of three. q and k are normed and rotated in place inside its output.
+    """
 
     def __init__(self, cfg: ModelConfig):
         super().__init__()
         self.num_heads, self.num_kv_heads, self.head_dim = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
         h, d = cfg.hidden_size, cfg.head_dim
-        self.q_proj = nn.Linear(h, self.num_heads * d, bias=False)
-        self.k_proj = nn.Linear(h, self.num_kv_heads * d, bias=False)
-        self.v_proj = nn.Linear(h, self.num_kv_heads * d, bias=False)
+        self.q_size, self.kv_size = self.num_heads * d, self.num_kv_heads * d
+        self.qkv_proj = nn.Linear(h, self.q_size + 2 * self.kv_size, bias=False)
         self.o_proj = nn.Linear(self.num_heads * d, h, bias=False)
         self.q_norm = RMSNorm(d, cfg.rms_norm_eps) if cfg.qk_norm else None
         self.k_norm = RMSNorm(d, cfg.rms_norm_eps) if cfg.qk_norm else None
@@ -84,9 +88,11 @@ class Attention(nn.Module):
                 rope: RotaryEmbedding) -> torch.Tensor:
         """x: [T, H]; kv_cache: ([NB, BS, Hkv, D], same). Writes this step's K/V; returns [T, H]."""
         t = x.shape[0]
-        q = self.q_proj(x).view(t, self.num_heads, self.head_dim)  # [T, Hq, D]
-        k = self.k_proj(x).view(t, self.num_kv_heads, self.head_dim)  # [T, Hkv, D]
-        v = self.v_proj(x).view(t, self.num_kv_heads, self.head_dim)
+        qkv = self.qkv_proj(x)  # [T, (Hq + 2 Hkv) D]
+        qs, ks = self.q_size, self.kv_size
+        q = qkv[:, :qs].view(t, self.num_heads, self.head_dim)  # [T, Hq, D] views
+        k = qkv[:, qs:qs + ks].view(t, self.num_kv_heads, self.head_dim)  # [T, Hkv, D]
+        v = qkv[:, qs + ks:].view(t, self.num_kv_heads, self.head_dim)
         # Per-head q/k RMSNorm (Qwen3; None skips it) and rope: one kernel, in place.
         qw = None if self.q_norm is None else self.q_norm.weight
         kw = None if self.k_norm is None else self.k_norm.weight
@@ -259,9 +265,13 @@ def _natural_key(name: str) -> list:
 
 
 def map_attention(wm: WeightMap, prefix: str, attn: Attention) -> None:
-    """``{prefix}.{q,k,v,o}_proj.weight`` and, with qk-norm, ``{prefix}.{q,k}_norm.weight``."""
-    for proj in ("q_proj", "k_proj", "v_proj", "o_proj"):
-        wm.add(f"{prefix}.{proj}.weight", getattr(attn, proj).weight)
+    """``{prefix}.{q,k,v}_proj.weight`` into slices of the fused qkv projection,
+    ``{prefix}.o_proj.weight`` and, with qk-norm, ``{prefix}.{q,k}_norm.weight``."""
+    qs, ks = attn.q_size, attn.kv_size
+    for proj, rows in (("q_proj", slice(0, qs)), ("k_proj", slice(qs, qs + ks)),
+                       ("v_proj", slice(qs + ks, qs + 2 * ks))):
+        wm.add(f"{prefix}.{proj}.weight", attn.qkv_proj.weight, (rows,))
+    wm.add(f"{prefix}.o_proj.weight", attn.o_proj.weight)
     if attn.q_norm is not None:
         wm.add(f"{prefix}.q_norm.weight", attn.q_norm.weight)
         wm.add(f"{prefix}.k_norm.weight", attn.k_norm.weight)

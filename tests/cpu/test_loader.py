@@ -178,7 +178,7 @@ def test_dummy_format_builds_a_working_model_from_config_only(base_ckpts, tmp_pa
     assert logits.shape == (5, cfg.vocab_size) and torch.isfinite(logits).all()
     torch.manual_seed(0)
     again, _ = _load(tmp_path, load_format="dummy", config_overrides={"num_layers": 3})
-    assert torch.equal(again.layers[1].self_attn.q_proj.weight, model.layers[1].self_attn.q_proj.weight)
+    assert torch.equal(again.layers[1].self_attn.qkv_proj.weight, model.layers[1].self_attn.qkv_proj.weight)
 
 
 # --------------------------------------------------------------------------- expert parallelism
