@@ -16,32 +16,41 @@ import torch
 # restore it afterwards so later test modules keep the torch reference path, and drop the
 # interpreted module from sys.modules so a later CUDA import compiles it for real.
 _MOD = "epserve.kernels.paged_prefill_triton"
+_DECODE_MOD = "epserve.kernels.paged_attention_triton"  # pure decode batches dispatch to it
 _PREV_INTERPRET = os.environ.get("TRITON_INTERPRET")
+_PREV_DECODE = sys.modules.get(_DECODE_MOD)
 os.environ["TRITON_INTERPRET"] = "1"
 try:
     pytest.importorskip("triton")
     sys.modules.pop(_MOD, None)
+    sys.modules.pop(_DECODE_MOD, None)
     import epserve.kernels.paged_prefill_triton as ppt
+    import epserve.kernels.paged_attention_triton as pdt
 finally:
     if _PREV_INTERPRET is None:
         os.environ.pop("TRITON_INTERPRET", None)
     else:
         os.environ["TRITON_INTERPRET"] = _PREV_INTERPRET
     sys.modules.pop(_MOD, None)
+    sys.modules.pop(_DECODE_MOD, None)
+    if _PREV_DECODE is not None:
+        sys.modules[_DECODE_MOD] = _PREV_DECODE
 
 from epserve.kernels import attention  # noqa: E402
 from epserve.kernels.attention import AttentionMetadata, paged_attention, paged_attention_ref  # noqa: E402
 
-assert ppt._INTERPRETED
+assert ppt._INTERPRETED and pdt._INTERPRETED
 CPU = torch.device("cpu")
 ATOL = {torch.float32: 1e-4, torch.float16: 2e-3}
 
 
 @pytest.fixture(autouse=True)
 def _interpret_env(monkeypatch):
-    """TRITON_INTERPRET=1 and this module's interpreted kernel for paged_attention's import."""
+    """TRITON_INTERPRET=1 and this module's interpreted kernels for paged_attention's imports
+    (another test module may have imported a compiled copy of the decode kernel)."""
     monkeypatch.setenv("TRITON_INTERPRET", "1")
     monkeypatch.setitem(sys.modules, _MOD, ppt)
+    monkeypatch.setitem(sys.modules, _DECODE_MOD, pdt)
 
 
 def _case(seed, lens, ns, hq, hkv, d, bs, dtype, pad=0):
