@@ -180,6 +180,17 @@ def run_epserve(cfg: dict, work: dict, args, dtype: str) -> list[Result]:
         return real_step()
 
     llm.engine.step = counted_step  # instance attribute: counts engine steps, nothing else
+    forwards: list[tuple[int, int, float]] = []  # (decode rows, prefill tokens, seconds)
+    real_forward = runner.mixed_forward_batch
+
+    def timed_forward(decode_tokens, decode_seqs, slices):
+        t = time.perf_counter()
+        out = real_forward(decode_tokens, decode_seqs, slices)  # samples: ends with a sync
+        forwards.append((len(decode_seqs), sum(sl.chunk_len for sl in slices),
+                         time.perf_counter() - t))
+        return out
+
+    runner.mixed_forward_batch = timed_forward  # instance attribute: times each forward
     results = []
     for name, (n, in_len, out_len) in work.items():
         warm = prompts(min(n, WARM_REQUESTS), in_len, cfg["vocab_size"], seed=1)
@@ -188,6 +199,7 @@ def run_epserve(cfg: dict, work: dict, args, dtype: str) -> list[Result]:
         ps = [{"prompt_token_ids": p} for p in prompts(n, in_len, cfg["vocab_size"], seed=0)]
         sp = SamplingParams(temperature=0.0, max_tokens=out_len, ignore_eos=True)
         steps[0] = 0
+        forwards.clear()
         sync(args.device)
         t0 = time.perf_counter()
         outs = llm.generate(ps, sp)
@@ -196,6 +208,13 @@ def run_epserve(cfg: dict, work: dict, args, dtype: str) -> list[Result]:
         got = [len(o.outputs[0].token_ids) for o in outs]
         note = "" if set(got) == {out_len} else f"tokens per request {sorted(set(got))}"
         results.append(Result(name, "epserve", wall, sum(got), steps[0], note))
+        dec = [f for f in forwards if f[1] == 0]
+        mix = [f for f in forwards if f[1] > 0]
+        print(f"[epserve {name}] forwards: {len(dec)} pure decode, "
+              f"{sum(f[2] for f in dec):.2f} s, mean {1e3 * sum(f[2] for f in dec) / max(len(dec), 1):.1f} ms "
+              f"at mean {sum(f[0] for f in dec) / max(len(dec), 1):.0f} rows; {len(mix)} with prefill, "
+              f"{sum(f[2] for f in mix):.2f} s for {sum(f[1] for f in mix)} prompt tokens; "
+              f"outside forwards {wall - sum(f[2] for f in forwards):.2f} s", flush=True)
     llm.close()
     return results
 

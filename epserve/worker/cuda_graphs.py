@@ -4,7 +4,10 @@ A pure decode step of ``n`` rows replays the graph of rung ``padded_batch_n(n)``
 inputs are copied into the graph's static buffers, rows ``n..rung`` are padding. Invariants
 (the seed's): a padded row has KV slot -1 (it writes no KV) and length 1 (it reads one KV
 position of block 0, harmlessly), and its hidden state is never read. Above the ladder's top
-rung, and for steps with any prefill row, the runner runs eagerly. Everything the captured
+rung (128), where ``padded_batch_n`` pads nothing, graphs are captured every
+``ABOVE_LADDER_STEP`` rows up to ``max_batch`` (a step pads to the next of those: the same
+padding rules; without them a 256-row decode step would pay the host's launch cost of every
+kernel). Steps with any prefill row run eagerly. Everything the captured
 forward reads per step lives in the static buffers below; lengths reach attention through
 ``AttentionMetadata.seq_lens_t`` (the host tuple holds placeholders at capture time).
 
@@ -27,7 +30,18 @@ from epserve.worker.batch import StepInputs
 
 log = logging.getLogger(__name__)
 
+#: Rows between the graphs captured above the ladder's top rung.
+ABOVE_LADDER_STEP = 32
+
 Forward = Callable[[torch.Tensor, torch.Tensor, AttentionMetadata], torch.Tensor]
+
+
+def graph_batch(n: int) -> int:
+    """The graph size a decode step of ``n`` rows replays: ``padded_batch_n`` on the ladder,
+    the next multiple of ``ABOVE_LADDER_STEP`` above it."""
+    if n <= DECODE_BATCH_LADDER[-1]:
+        return padded_batch_n(n)
+    return -(-n // ABOVE_LADDER_STEP) * ABOVE_LADDER_STEP
 
 
 class DecodeGraphs:
@@ -41,7 +55,10 @@ class DecodeGraphs:
     def __init__(self, forward: Forward, device: torch.device, block_size: int,
                  max_batch: int, max_blocks: int):
         self.forward, self.device, self.block_size = forward, device, block_size
-        self.rungs = [r for r in DECODE_BATCH_LADDER if r <= padded_batch_n(max_batch)]
+        self.rungs = [r for r in DECODE_BATCH_LADDER if r <= graph_batch(max_batch)]
+        top = DECODE_BATCH_LADDER[-1]
+        self.rungs += list(range(top + ABOVE_LADDER_STEP, graph_batch(max_batch) + 1,
+                                 ABOVE_LADDER_STEP))
         top = max(self.rungs, default=0)
         self.max_rows = top
         self.input_ids = torch.zeros(top, dtype=torch.int64, device=device)
@@ -88,13 +105,13 @@ class DecodeGraphs:
         """A pure decode step whose padded size has a graph."""
         n = len(inp.decode_seqs)
         return (not inp.prefill_rows and 0 < n <= self.max_rows
-                and padded_batch_n(n) in self._graphs)
+                and graph_batch(n) in self._graphs)
 
     def run(self, inp: StepInputs) -> torch.Tensor:
         """Replay the step's rung on its inputs. Returns hidden [n, H] (a view of the graph's
         output buffer: valid until the next replay)."""
         n = len(inp.decode_seqs)
-        b = padded_batch_n(n)
+        b = graph_batch(n)
         graph, out = self._graphs[b]
         meta = inp.meta
         self.input_ids[:n].copy_(inp.input_ids, non_blocking=True)
