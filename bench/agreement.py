@@ -1,0 +1,91 @@
+"""How closely bf16 on the GPU follows the fp32 CPU path, and how closely transformers' own bf16
+follows it, on bf16-saved tiny random checkpoints (both paths read the same weights).
+
+Two measures over 32 prompts x 64 greedy tokens, per architecture:
+- free-running: position-wise agreement of the two greedy continuations (one early flip makes
+  every later position differ, so this measures how chaotic the model is as much as the path);
+- teacher-forced: at each position of the fp32 continuation, does the bf16 path's argmax (given
+  the fp32 prefix) pick the same token (epserve: prompt logprobs; transformers: one forward).
+Prints a table last.
+
+    python bench/agreement.py
+"""
+
+from __future__ import annotations
+
+import random
+import sys
+import tempfile
+from pathlib import Path
+
+import torch
+
+from epserve import LLM, SamplingParams
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
+from tiny_ckpt import make_tiny_checkpoint  # noqa: E402
+
+NEW = 64
+
+
+def prompts(n: int = 32, seed: int = 3) -> list[list[int]]:
+    rng = random.Random(seed)
+    return [[rng.randrange(3, 300) for _ in range(rng.randrange(4, 48))] for _ in range(n)]
+
+
+def _same(a: list[list[int]], b: list[list[int]]) -> int:
+    return sum(x == y for u, v in zip(a, b) for x, y in zip(u, v))
+
+
+def _epserve(path: str, ps: list[list[int]], ref: list[list[int]]) -> tuple[int, int]:
+    gpu = LLM(model=path, dtype="bfloat16", device="cuda", num_kv_blocks=2048)
+    sp = SamplingParams(temperature=0.0, max_tokens=NEW, ignore_eos=True)
+    free = _same(ref, [o.outputs[0].token_ids for o in gpu.generate(
+        [{"prompt_token_ids": p} for p in ps], sp)])
+    outs = gpu.generate([{"prompt_token_ids": p + r} for p, r in zip(ps, ref)],
+                        SamplingParams(temperature=0.0, max_tokens=1, prompt_logprobs=1))
+    forced = 0
+    for p, r, o in zip(ps, ref, outs):
+        for i, t in enumerate(r):
+            entry = o.prompt_logprobs[len(p) + i]
+            forced += max(entry.items(), key=lambda kv: kv[1].logprob)[0] == t
+    return free, forced
+
+
+@torch.inference_mode()
+def _transformers(path: str, ps: list[list[int]], ref: list[list[int]]) -> tuple[int, int]:
+    from transformers import AutoModelForCausalLM
+
+    m = AutoModelForCausalLM.from_pretrained(path, dtype=torch.bfloat16).cuda().eval()
+    free = forced = 0
+    for p, r in zip(ps, ref):
+        logits = m(torch.tensor([p + r], device="cuda")).logits[0]
+        pred = logits[len(p) - 1:len(p) - 1 + len(r)].argmax(-1).tolist()
+        forced += sum(x == y for x, y in zip(pred, r))
+        out = m.generate(torch.tensor([p], device="cuda"), do_sample=False, max_new_tokens=NEW,
+                         min_new_tokens=NEW, eos_token_id=None, pad_token_id=0)
+        free += sum(x == y for x, y in zip(out[0, len(p):].tolist(), r))
+    return free, forced
+
+
+def main() -> int:
+    rows = []
+    for arch in ("qwen3_moe", "mixtral"):
+        path = str(make_tiny_checkpoint(arch, tempfile.mkdtemp(), dtype=torch.bfloat16))
+        ps = prompts()
+        sp = SamplingParams(temperature=0.0, max_tokens=NEW, ignore_eos=True)
+        ref = [o.outputs[0].token_ids for o in LLM(model=path, dtype="float32", device="cpu")
+               .generate([{"prompt_token_ids": p} for p in ps], sp)]
+        n = sum(len(r) for r in ref)
+        rows.append((arch, n, *_epserve(path, ps, ref), *_transformers(path, ps, ref)))
+    print("\n| checkpoint | positions | epserve free | transformers free | epserve forced "
+          "| transformers forced |")
+    print("|---|---:|---:|---:|---:|---:|")
+    for arch, n, ef, eforced, hf, hforced in rows:
+        print(f"| {arch} | {n} | {ef / n:.3f} | {hf / n:.3f} | {eforced / n:.3f} | "
+              f"{hforced / n:.3f} |")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
