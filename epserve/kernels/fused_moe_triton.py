@@ -95,8 +95,9 @@ def _combine_kernel(y_ptr, ids_ptr, out_ptr, h, num_local, expert_offset,
     acc = tl.zeros([BLOCK_H], tl.float32)
     for k in tl.static_range(TOP_K):
         e = tl.load(ids_ptr + t * TOP_K + k).to(tl.int64) - expert_offset
-        local = (e >= 0) & (e < num_local)
-        acc += tl.load(y_ptr + (t * TOP_K + k) * h + cols, mask=mask & local, other=0.0)
+        # a non-local pair reads nothing (the bound, not a scalar bool mask: newer interpreters)
+        lim = tl.where((e >= 0) & (e < num_local), h, 0)
+        acc += tl.load(y_ptr + (t * TOP_K + k) * h + cols, mask=cols < lim, other=0.0)
     tl.store(out_ptr + t * h + cols, acc.to(out_ptr.dtype.element_ty), mask=mask)
 
 

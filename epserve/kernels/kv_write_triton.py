@@ -31,7 +31,10 @@ def _write_kv_kernel(k_ptr, v_ptr, kc_ptr, vc_ptr, slot_ptr,
     heads = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
     offs_d = tl.arange(0, D_P)
     slot = tl.load(slot_ptr + t).to(tl.int64)
-    mask = (heads[:, None] < num_heads) & (offs_d[None, :] < D) & (slot >= 0)
+    # slot < 0 (padding): no head is in range. A scalar bool in a tensor mask is refused by
+    # newer Triton interpreters, so the skip is folded into the integer bound.
+    live_heads = tl.where(slot >= 0, num_heads, 0)
+    mask = (heads[:, None] < live_heads) & (offs_d[None, :] < D)
     blk = slot // block_size
     off = slot % block_size
     heads = heads.to(tl.int64)
