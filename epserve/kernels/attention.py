@@ -13,6 +13,8 @@ from dataclasses import dataclass
 
 import torch
 
+from epserve.kernels.paged_checks import DTYPES as _PREFILL_DTYPES
+
 
 @dataclass(frozen=True)
 class AttentionMetadata:
@@ -162,8 +164,6 @@ def _use_triton_decode(q: torch.Tensor, meta: AttentionMetadata) -> bool:
         return False
     return _triton_available()
 
-
-_PREFILL_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 
 
 def _use_triton_prefill(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,

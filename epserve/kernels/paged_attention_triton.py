@@ -15,7 +15,7 @@ import torch
 import triton
 import triton.language as tl
 
-_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+from epserve.kernels.paged_checks import check_paged_inputs
 
 
 @triton.jit
@@ -117,31 +117,11 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     with ``1 <= seq_lens_t[s] <= max_blocks * BS`` (not checked: it lives on the device).
     Returns [S, Hq, D] in q.dtype, equal to ``paged_attention_ref`` on a pure decode batch.
     """
-    if q.dim() != 3:
-        raise ValueError(f"paged_decode_attention: q {tuple(q.shape)} must be [S, Hq, D]")
-    if k_cache.dim() != 4 or k_cache.shape != v_cache.shape:
-        raise ValueError(f"paged_decode_attention: caches {tuple(k_cache.shape)} / "
-                         f"{tuple(v_cache.shape)} must both be [NB, BS, Hkv, D]")
-    s, hq, d = q.shape
-    _, bs, hkv, dk = k_cache.shape
-    if dk != d:
-        raise ValueError(f"paged_decode_attention: q head_dim {d} != cache head_dim {dk}")
-    if hkv == 0 or hq % hkv:
-        raise ValueError(f"paged_decode_attention: {hq} query heads is not a multiple of "
-                         f"{hkv} kv heads")
-    if q.dtype not in _DTYPES or k_cache.dtype != q.dtype or v_cache.dtype != q.dtype:
-        raise ValueError(f"paged_decode_attention: dtypes q {q.dtype}, k_cache {k_cache.dtype}, "
-                         f"v_cache {v_cache.dtype} must be equal and one of {_DTYPES}")
-    if not (k_cache.is_contiguous() and v_cache.is_contiguous()):
-        raise ValueError("paged_decode_attention: k_cache and v_cache must be contiguous")
-    if q.stride(2) != 1:
-        raise ValueError(f"paged_decode_attention: q must have a contiguous last dim, "
-                         f"strides {q.stride()}")
-    if block_tables.dim() != 2 or block_tables.shape[0] != s or block_tables.dtype != torch.int32:
+    s, hq, d, bs, hkv = check_paged_inputs("paged_decode_attention", q, k_cache, v_cache,
+                                           block_tables)
+    if block_tables.shape[0] != s:
         raise ValueError(f"paged_decode_attention: block_tables {tuple(block_tables.shape)} "
-                         f"{block_tables.dtype} must be [{s}, max_blocks] int32")
-    if block_tables.stride(1) != 1:
-        raise ValueError("paged_decode_attention: block_tables must have a contiguous last dim")
+                         f"must have one row per sequence ({s})")
     if seq_lens_t.shape != (s,) or seq_lens_t.dtype != torch.int32:
         raise ValueError(f"paged_decode_attention: seq_lens_t {tuple(seq_lens_t.shape)} "
                          f"{seq_lens_t.dtype} must be [{s}] int32")

@@ -24,7 +24,7 @@ import torch
 import triton
 import triton.language as tl
 
-_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+from epserve.kernels.paged_checks import check_paged_inputs
 _MAP_COLS = 4  # row_start, n_rows, pos0, seq
 
 
@@ -231,27 +231,7 @@ def paged_prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
     ``paged_attention_ref``; rows outside ``[row_lo, row_hi)`` are zero. The knobs are tuning.
     """
     name = "paged_prefill_attention"
-    if q.dim() != 3:
-        raise ValueError(f"{name}: q {tuple(q.shape)} must be [T, Hq, D]")
-    if k_cache.dim() != 4 or k_cache.shape != v_cache.shape:
-        raise ValueError(f"{name}: caches {tuple(k_cache.shape)} / {tuple(v_cache.shape)} must "
-                         f"both be [NB, BS, Hkv, D]")
-    t, hq, d = q.shape
-    _, bs, hkv, dk = k_cache.shape
-    if dk != d:
-        raise ValueError(f"{name}: q head_dim {d} != cache head_dim {dk}")
-    if hkv == 0 or hq % hkv:
-        raise ValueError(f"{name}: {hq} query heads is not a multiple of {hkv} kv heads")
-    if q.dtype not in _DTYPES or k_cache.dtype != q.dtype or v_cache.dtype != q.dtype:
-        raise ValueError(f"{name}: dtypes q {q.dtype}, k_cache {k_cache.dtype}, v_cache "
-                         f"{v_cache.dtype} must be equal and one of {_DTYPES}")
-    if not (k_cache.is_contiguous() and v_cache.is_contiguous()):
-        raise ValueError(f"{name}: k_cache and v_cache must be contiguous")
-    if q.stride(2) != 1:
-        raise ValueError(f"{name}: q must have a contiguous last dim, strides {q.stride()}")
-    if block_tables.dim() != 2 or block_tables.dtype != torch.int32 or block_tables.stride(1) != 1:
-        raise ValueError(f"{name}: block_tables {tuple(block_tables.shape)} {block_tables.dtype} "
-                         f"must be [S, max_blocks] int32 with a contiguous last dim")
+    t, hq, d, bs, hkv = check_paged_inputs(name, q, k_cache, v_cache, block_tables)
     tiles = tile_map.tiles
     if tiles.dim() != 2 or tiles.shape[1] != _MAP_COLS or tiles.dtype != torch.int32:
         raise ValueError(f"{name}: tile_map.tiles {tuple(tiles.shape)} {tiles.dtype} must be "

@@ -7,6 +7,7 @@ import importlib.util
 
 import pytest
 import torch
+from gpu_timing import cuda_ms
 
 pytestmark = [
     pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA"),
@@ -33,16 +34,7 @@ def _route(t, seed):
 
 
 def _time_ms(fn, iters=20):
-    for _ in range(3):
-        fn()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    torch.cuda.synchronize()
-    start.record()
-    for _ in range(iters):
-        fn()
-    end.record()
-    torch.cuda.synchronize()
-    return start.elapsed_time(end) / iters
+    return cuda_ms(fn, iters)
 
 
 @pytest.mark.parametrize("t", [1, 8, 256])

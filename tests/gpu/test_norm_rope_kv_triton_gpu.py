@@ -19,6 +19,7 @@ import importlib.util
 
 import pytest
 import torch
+from gpu_timing import cuda_ms
 
 pytestmark = [
     pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA"),
@@ -39,16 +40,7 @@ def _rel(got, ref):
 
 
 def _time_us(fn, iters=100):
-    for _ in range(5):
-        fn()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    torch.cuda.synchronize()
-    start.record()
-    for _ in range(iters):
-        fn()
-    end.record()
-    torch.cuda.synchronize()
-    return start.elapsed_time(end) * 1000.0 / iters
+    return 1e3 * cuda_ms(fn, iters, warmup=5)
 
 
 def _qkv(t, seed):

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from gpu_timing import cuda_ms
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 pytest.importorskip("triton")
@@ -39,15 +40,7 @@ def _case(s: int, seed: int):
 
 
 def _time_ms(fn, iters: int) -> float:
-    fn()
-    torch.cuda.synchronize()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    for _ in range(iters):
-        fn()
-    end.record()
-    torch.cuda.synchronize()
-    return start.elapsed_time(end) / iters
+    return cuda_ms(fn, iters, warmup=1)
 
 
 @pytest.mark.parametrize("window", [None, 512], ids=["full", "window512"])

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from gpu_timing import cuda_ms
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 pytest.importorskip("triton")
@@ -62,15 +63,7 @@ def _flops(meta: AttentionMetadata, window: int | None) -> float:
 
 
 def _time_ms(fn, iters: int) -> float:
-    fn()
-    torch.cuda.synchronize()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    for _ in range(iters):
-        fn()
-    end.record()
-    torch.cuda.synchronize()
-    return start.elapsed_time(end) / iters
+    return cuda_ms(fn, iters, warmup=1)
 
 
 def _tiles(meta, block_m=128):

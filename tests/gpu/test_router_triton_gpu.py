@@ -11,6 +11,7 @@ import importlib.util
 
 import pytest
 import torch
+from gpu_timing import cuda_ms
 
 pytestmark = [
     pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA"),
@@ -42,16 +43,7 @@ def _today(logits, k, renorm):
 
 
 def _time_us(fn, iters=200):
-    for _ in range(5):
-        fn()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    torch.cuda.synchronize()
-    start.record()
-    for _ in range(iters):
-        fn()
-    end.record()
-    torch.cuda.synchronize()
-    return start.elapsed_time(end) * 1e3 / iters
+    return 1e3 * cuda_ms(fn, iters, warmup=5)
 
 
 @pytest.mark.parametrize("renorm", [False, True], ids=["raw", "renorm"])

@@ -1,0 +1,40 @@
+"""Argument checks shared by the paged attention kernels' host wrappers (decode and prefill).
+
+Each raises ``ValueError`` naming the wrapper and the offending tensor; nothing here reads
+device memory.
+"""
+
+from __future__ import annotations
+
+import torch
+
+DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+
+
+def check_paged_inputs(name: str, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                       block_tables: torch.Tensor) -> tuple[int, int, int, int, int]:
+    """q [T, Hq, D] (last dim contiguous); caches [NB, BS, Hkv, D] contiguous, q's dtype (one of
+    ``DTYPES``), Hq a multiple of Hkv; block_tables [S, max_blocks] int32, last dim contiguous.
+    Returns ``(T, Hq, D, BS, Hkv)``."""
+    if q.dim() != 3:
+        raise ValueError(f"{name}: q {tuple(q.shape)} must be [T, Hq, D]")
+    if k_cache.dim() != 4 or k_cache.shape != v_cache.shape:
+        raise ValueError(f"{name}: caches {tuple(k_cache.shape)} / {tuple(v_cache.shape)} must "
+                         f"both be [NB, BS, Hkv, D]")
+    t, hq, d = q.shape
+    _, bs, hkv, dk = k_cache.shape
+    if dk != d:
+        raise ValueError(f"{name}: q head_dim {d} != cache head_dim {dk}")
+    if hkv == 0 or hq % hkv:
+        raise ValueError(f"{name}: {hq} query heads is not a multiple of {hkv} kv heads")
+    if q.dtype not in DTYPES or k_cache.dtype != q.dtype or v_cache.dtype != q.dtype:
+        raise ValueError(f"{name}: dtypes q {q.dtype}, k_cache {k_cache.dtype}, v_cache "
+                         f"{v_cache.dtype} must be equal and one of {DTYPES}")
+    if not (k_cache.is_contiguous() and v_cache.is_contiguous()):
+        raise ValueError(f"{name}: k_cache and v_cache must be contiguous")
+    if q.stride(2) != 1:
+        raise ValueError(f"{name}: q must have a contiguous last dim, strides {q.stride()}")
+    if block_tables.dim() != 2 or block_tables.dtype != torch.int32 or block_tables.stride(1) != 1:
+        raise ValueError(f"{name}: block_tables {tuple(block_tables.shape)} {block_tables.dtype} "
+                         f"must be [S, max_blocks] int32 with a contiguous last dim")
+    return t, hq, d, bs, hkv
