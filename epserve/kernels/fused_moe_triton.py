@@ -20,7 +20,14 @@ import torch
 import triton
 import triton.language as tl
 
-from epserve.kernels.moe_align_triton import moe_align
+from epserve.kernels.moe_align_triton import moe_align, moe_align_ref
+
+#: Up to this many (token, k) pairs the layout comes from the one-program Triton ``moe_align``
+#: (no host sync: decode steps, which CUDA graphs capture, stay far below it). Above it (prefill
+#: chunks, always eager) the torch ``moe_align_ref`` is used: its sort runs across the GPU,
+#: where one program would walk tens of thousands of pairs serially; its one host sync is
+#: harmless there.
+ALIGN_IN_KERNEL_MAX_PAIRS = 4096
 
 
 @triton.jit
@@ -198,7 +205,8 @@ def fused_moe_triton(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_
         tiles = replace(tiles, **over)
     block_m = tiles.block_m
     # static-size layout, no host sync (CUDA graphs); blocks with expert -1 exit at once
-    sorted_ids, block_expert = moe_align(topk_ids, e, expert_offset, block_m)
+    align = moe_align if t * top_k <= ALIGN_IN_KERNEL_MAX_PAIRS else moe_align_ref
+    sorted_ids, block_expert = align(topk_ids, e, expert_offset, block_m)
     x = x.contiguous() if x.stride(-1) != 1 else x
     weights = topk_weights.reshape(-1).to(torch.float32).contiguous()
     num_slots = t * top_k

@@ -136,3 +136,20 @@ def test_wrapper_rejects_bad_inputs():
         fmt.fused_moe_triton(x, w13[:, :-1], w2, ids, wts)
     with pytest.raises(ValueError, match="topk_ids"):
         fmt.fused_moe_triton(x, w13, w2, ids[:-1], wts[:-1])
+
+
+def test_large_batches_align_with_the_torch_layout(monkeypatch):
+    # above ALIGN_IN_KERNEL_MAX_PAIRS (prefill) the reference layout feeds the same GEMMs
+    monkeypatch.setattr(fmt, "ALIGN_IN_KERNEL_MAX_PAIRS", 8)
+    calls = []
+    real = fmt.moe_align_ref
+    monkeypatch.setattr(fmt, "moe_align_ref", lambda *a: calls.append(1) or real(*a))
+    for dtype in (torch.float32, torch.float16):
+        x, w13, w2, ids, wts = _inputs(20, 32, 16, 8, 2, dtype, seed=11)
+        _check(fmt.fused_moe_triton(x, w13, w2, ids, wts), fused_moe_ref(x, w13, w2, ids, wts),
+               dtype)
+        x, _, _, ids, wts = _inputs(11, 32, 16, 8, 2, dtype, seed=12)
+        _, w13, w2, _, _ = _inputs(11, 32, 16, 8, 2, dtype, seed=13, e_local=3)
+        _check(fmt.fused_moe_triton(x, w13, w2, ids, wts, expert_offset=3),
+               fused_moe_ref(x, w13, w2, ids, wts, expert_offset=3), dtype)
+    assert len(calls) == 4
