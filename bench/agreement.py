@@ -22,7 +22,9 @@ import torch
 
 from epserve import LLM, SamplingParams
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
+_TESTS = Path(__file__).resolve().parent.parent / "tests"
+sys.path[:0] = [str(_TESTS), str(_TESTS / "gpu")]
+from bench_agreement import teacher_forced  # noqa: E402
 from tiny_ckpt import make_tiny_checkpoint  # noqa: E402
 
 NEW = 64
@@ -37,35 +39,21 @@ def _same(a: list[list[int]], b: list[list[int]]) -> int:
     return sum(x == y for u, v in zip(a, b) for x, y in zip(u, v))
 
 
-def _epserve(path: str, ps: list[list[int]], ref: list[list[int]]) -> tuple[int, int]:
-    gpu = LLM(model=path, dtype="bfloat16", device="cuda", num_kv_blocks=2048)
-    sp = SamplingParams(temperature=0.0, max_tokens=NEW, ignore_eos=True)
-    free = _same(ref, [o.outputs[0].token_ids for o in gpu.generate(
-        [{"prompt_token_ids": p} for p in ps], sp)])
-    outs = gpu.generate([{"prompt_token_ids": p + r} for p, r in zip(ps, ref)],
-                        SamplingParams(temperature=0.0, max_tokens=1, prompt_logprobs=1))
-    forced = 0
-    for p, r, o in zip(ps, ref, outs):
-        for i, t in enumerate(r):
-            entry = o.prompt_logprobs[len(p) + i]
-            forced += max(entry.items(), key=lambda kv: kv[1].logprob)[0] == t
-    return free, forced
-
-
-@torch.inference_mode()
-def _transformers(path: str, ps: list[list[int]], ref: list[list[int]]) -> tuple[int, int]:
+def _free_running(path: str, ps: list[list[int]], ref: list[list[int]]) -> tuple[int, int]:
+    """Greedy continuations of epserve bf16 and transformers bf16 (both CUDA) that match ref."""
     from transformers import AutoModelForCausalLM
 
+    gpu = LLM(model=path, dtype="bfloat16", device="cuda", num_kv_blocks=2048)
+    sp = SamplingParams(temperature=0.0, max_tokens=NEW, ignore_eos=True)
+    ours = _same(ref, [o.outputs[0].token_ids for o in gpu.generate(
+        [{"prompt_token_ids": p} for p in ps], sp)])
     m = AutoModelForCausalLM.from_pretrained(path, dtype=torch.bfloat16).cuda().eval()
-    free = forced = 0
-    for p, r in zip(ps, ref):
-        logits = m(torch.tensor([p + r], device="cuda")).logits[0]
-        pred = logits[len(p) - 1:len(p) - 1 + len(r)].argmax(-1).tolist()
-        forced += sum(x == y for x, y in zip(pred, r))
+    theirs = []
+    for p in ps:
         out = m.generate(torch.tensor([p], device="cuda"), do_sample=False, max_new_tokens=NEW,
                          min_new_tokens=NEW, eos_token_id=None, pad_token_id=0)
-        free += sum(x == y for x, y in zip(out[0, len(p):].tolist(), r))
-    return free, forced
+        theirs.append(out[0, len(p):].tolist())
+    return ours, _same(ref, theirs)
 
 
 def main() -> int:
@@ -77,7 +65,9 @@ def main() -> int:
         ref = [o.outputs[0].token_ids for o in LLM(model=path, dtype="float32", device="cpu")
                .generate([{"prompt_token_ids": p} for p in ps], sp)]
         n = sum(len(r) for r in ref)
-        rows.append((arch, n, *_epserve(path, ps, ref), *_transformers(path, ps, ref)))
+        free_ours, free_theirs = _free_running(path, ps, ref)
+        forced_ours, forced_theirs, _ = teacher_forced(path, ps, ref)
+        rows.append((arch, n, free_ours, forced_ours, free_theirs, forced_theirs))
     print("\n| checkpoint | positions | epserve free | transformers free | epserve forced "
           "| transformers forced |")
     print("|---|---:|---:|---:|---:|---:|")
