@@ -10,24 +10,15 @@ session keep running the torch reference on CPU.
 from __future__ import annotations
 
 import importlib.util
-import os
 
 import pytest
 
 if importlib.util.find_spec("triton") is None:
     pytest.skip("triton is not installed", allow_module_level=True)
 
-_prev = os.environ.get("TRITON_INTERPRET")
-os.environ["TRITON_INTERPRET"] = "1"
-try:
-    import triton  # noqa: E402,F401
+from interp import import_interpreted  # noqa: E402
 
-    from epserve.kernels import fused_moe_triton as fmt  # noqa: E402
-finally:
-    if _prev is None:
-        del os.environ["TRITON_INTERPRET"]
-    else:
-        os.environ["TRITON_INTERPRET"] = _prev
+fmt = import_interpreted("epserve.kernels.fused_moe_triton")
 
 import torch  # noqa: E402
 

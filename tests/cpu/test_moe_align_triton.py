@@ -7,22 +7,15 @@ while each test runs (see test_fused_moe_triton.py for why).
 from __future__ import annotations
 
 import importlib.util
-import os
 
 import pytest
 
 if importlib.util.find_spec("triton") is None:
     pytest.skip("triton is not installed", allow_module_level=True)
 
-_prev = os.environ.get("TRITON_INTERPRET")
-os.environ["TRITON_INTERPRET"] = "1"
-try:
-    from epserve.kernels import moe_align_triton as mat  # noqa: E402
-finally:
-    if _prev is None:
-        del os.environ["TRITON_INTERPRET"]
-    else:
-        os.environ["TRITON_INTERPRET"] = _prev
+from interp import import_interpreted  # noqa: E402
+
+mat = import_interpreted("epserve.kernels.moe_align_triton")
 
 import torch  # noqa: E402
 

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import importlib.util
 import math
-import os
 
 import pytest
 import torch
@@ -19,18 +18,11 @@ import torch
 from epserve.kernels import sampling_noise as sn
 from epserve.models.traits import RowSampling
 from epserve.worker.sampler import _as_int64, mix_seed, sample_rows
+from interp import import_interpreted
 
 HAS_TRITON = importlib.util.find_spec("triton") is not None
 if HAS_TRITON:
-    _prev = os.environ.get("TRITON_INTERPRET")
-    os.environ["TRITON_INTERPRET"] = "1"
-    try:
-        from epserve.kernels import sampling_triton as st
-    finally:
-        if _prev is None:
-            del os.environ["TRITON_INTERPRET"]
-        else:
-            os.environ["TRITON_INTERPRET"] = _prev
+    st = import_interpreted("epserve.kernels.sampling_triton")
 
 needs_triton = pytest.mark.skipif(not HAS_TRITON, reason="triton is not installed")
 KEYS = [0, 1, -1, 0x0123456789ABCDEF, -(2 ** 63), 2 ** 63 - 1, 0xDEADBEEF, -(2 ** 32)]
