@@ -13,7 +13,7 @@ from dataclasses import dataclass
 
 import torch
 
-from epserve.kernels.paged_checks import DTYPES as _PREFILL_DTYPES
+from epserve.kernels.wrapper_checks import DTYPES as _PREFILL_DTYPES
 
 
 @dataclass(frozen=True)

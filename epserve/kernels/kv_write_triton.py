@@ -18,6 +18,8 @@ import torch
 import triton
 import triton.language as tl
 
+from epserve.kernels.wrapper_checks import check_devices
+
 _DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 
 
@@ -75,12 +77,8 @@ def write_kv_triton(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
         raise ValueError(f"{name}: k, v, k_cache, v_cache dtypes {dtypes} must be in {_DTYPES}")
     if any(x.stride(-1) != 1 for x in (k, v, k_cache, v_cache)) and d > 1:
         raise ValueError(f"{name}: k, v, k_cache, v_cache need a contiguous last dim")
-    devices = {x.device for x in (k, v, k_cache, v_cache, slot_mapping)}
-    if len(devices) != 1:
-        raise ValueError(f"{name}: tensors on several devices {sorted(map(str, devices))}")
-    if not k.is_cuda and not _INTERPRETED:
-        raise ValueError(f"{name}: {k.device} tensors need TRITON_INTERPRET=1 when "
-                         f"epserve.kernels.kv_write_triton is first imported")
+    check_devices(name, (k, v, k_cache, v_cache, slot_mapping), _INTERPRETED,
+                  "epserve.kernels.kv_write_triton")
     if t == 0 or hkv == 0 or d == 0:
         return
     slots = slot_mapping.contiguous()

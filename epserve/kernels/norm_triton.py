@@ -20,6 +20,8 @@ import torch
 import triton
 import triton.language as tl
 
+from epserve.kernels.wrapper_checks import check_devices
+
 MAX_H = 8192
 _DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 
@@ -71,12 +73,7 @@ def _check(name: str, x: torch.Tensor, weight: torch.Tensor,
             raise ValueError(f"{name}: residual {tuple(residual.shape)} {residual.dtype} must "
                              f"match x {tuple(x.shape)} {x.dtype}")
         tensors.append(residual)
-    devices = {t.device for t in tensors}
-    if len(devices) != 1:
-        raise ValueError(f"{name}: tensors on several devices {sorted(map(str, devices))}")
-    if not x.is_cuda and not _INTERPRETED:
-        raise ValueError(f"{name}: {x.device} tensors need TRITON_INTERPRET=1 when "
-                         f"epserve.kernels.norm_triton is first imported")
+    check_devices(name, tensors, _INTERPRETED, "epserve.kernels.norm_triton")
 
 
 def _launch(x2, r2, weight, out2, res2, eps: float) -> None:

@@ -15,7 +15,7 @@ import torch
 import triton
 import triton.language as tl
 
-from epserve.kernels.paged_checks import check_paged_inputs
+from epserve.kernels.wrapper_checks import check_paged_inputs
 
 
 @triton.jit

@@ -24,7 +24,7 @@ import torch
 import triton
 import triton.language as tl
 
-from epserve.kernels.paged_checks import check_paged_inputs
+from epserve.kernels.wrapper_checks import check_paged_inputs
 _MAP_COLS = 4  # row_start, n_rows, pos0, seq
 
 

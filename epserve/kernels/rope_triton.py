@@ -21,6 +21,8 @@ import torch
 import triton
 import triton.language as tl
 
+from epserve.kernels.wrapper_checks import check_devices
+
 _DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 
 
@@ -109,12 +111,7 @@ def qk_norm_rope_triton(q: torch.Tensor, k: torch.Tensor, positions: torch.Tenso
             raise ValueError(f"{name}: {wname} {tuple(w.shape)} {w.dtype} must be [{d}] floating")
     tensors = [q, k, positions, cos_cache, sin_cache] + [w for w in (q_weight, k_weight)
                                                          if w is not None]
-    devices = {x.device for x in tensors}
-    if len(devices) != 1:
-        raise ValueError(f"{name}: tensors on several devices {sorted(map(str, devices))}")
-    if not q.is_cuda and not _INTERPRETED:
-        raise ValueError(f"{name}: {q.device} tensors need TRITON_INTERPRET=1 when "
-                         f"epserve.kernels.rope_triton is first imported")
+    check_devices(name, tensors, _INTERPRETED, "epserve.kernels.rope_triton")
     hkv = k.shape[1]
     if t == 0 or hq + hkv == 0 or d == 0:
         return q, k

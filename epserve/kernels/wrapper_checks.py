@@ -1,4 +1,4 @@
-"""Argument checks shared by the paged attention kernels' host wrappers (decode and prefill).
+"""Argument checks shared by the Triton kernels' host wrappers.
 
 Each raises ``ValueError`` naming the wrapper and the offending tensor; nothing here reads
 device memory.
@@ -38,3 +38,15 @@ def check_paged_inputs(name: str, q: torch.Tensor, k_cache: torch.Tensor, v_cach
         raise ValueError(f"{name}: block_tables {tuple(block_tables.shape)} {block_tables.dtype} "
                          f"must be [S, max_blocks] int32 with a contiguous last dim")
     return t, hq, d, bs, hkv
+
+
+def check_devices(name: str, tensors, interpreted: bool, module: str) -> None:
+    """All ``tensors`` on one device, and that device CUDA unless ``module``'s kernels were
+    defined under the Triton interpreter (``interpreted``)."""
+    devices = {t.device for t in tensors}
+    if len(devices) != 1:
+        raise ValueError(f"{name}: tensors on several devices {sorted(map(str, devices))}")
+    device = next(iter(devices))
+    if device.type != "cuda" and not interpreted:
+        raise ValueError(f"{name}: {device} tensors need TRITON_INTERPRET=1 when "
+                         f"{module} is first imported")
