@@ -76,10 +76,6 @@ class BlockTables:
         if blocks:
             self.table[slot, first:first + len(blocks)] = torch.tensor(blocks, dtype=torch.int32)
 
-    def rows(self, slots: torch.Tensor, width: int) -> torch.Tensor:
-        """[S, width] int32: the tables of ``slots`` ([S] int64, a copy)."""
-        return self.table[:, :width].index_select(0, slots)
-
 
 def _decode_part(seqs: Sequence[SequenceState], bs: int) -> tuple[list[int], list[int]]:
     """Positions and KV slots of the decode rows (one token each, at ``seq_len``); two list
