@@ -1,6 +1,8 @@
 """Batch-1 (and batch-B) decode step time of epserve on one GPU, random bf16 weights.
 
-Shapes default to Qwen3-30B-A3B. With ``--with-transformers`` the same config (random bf16)
+Shapes default to Qwen3-30B-A3B. The step time is steady-state decode: the wall time of a
+generate with 2S+1 new tokens minus one with S+1, divided by S (prefill and per-call costs
+cancel). With ``--with-transformers`` the same config (random bf16)
 runs through transformers ``generate`` at batch 1 first, in the same process, and the table
 gets its step time and the ratio. Prints a table last.
 
@@ -87,14 +89,19 @@ def main(argv: list[str] | None = None) -> int:
                    for i in range(b)]
         warm = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True)
         llm.generate(prompts, warm)
-        sp = SamplingParams(temperature=0.0, max_tokens=args.steps + 1, ignore_eos=True)
-        torch.cuda.synchronize()
-        t = time.perf_counter()
-        llm.generate(prompts, sp)
-        torch.cuda.synchronize()
-        total = time.perf_counter() - t
-        # one prefill step + args.steps decode steps; the prefill of 16 tokens is small
-        step_ms = total / (args.steps + 1) * 1e3
+        walls = []
+        for n_out in (args.steps + 1, 2 * args.steps + 1):  # new prompts each: no prefix hit
+            ps = [{"prompt_token_ids": [t + n_out for t in p["prompt_token_ids"]]}
+                  for p in prompts]
+            sp = SamplingParams(temperature=0.0, max_tokens=n_out, ignore_eos=True)
+            torch.cuda.synchronize()
+            t = time.perf_counter()
+            llm.generate(ps, sp)
+            torch.cuda.synchronize()
+            walls.append(time.perf_counter() - t)
+        # the difference of two runs is args.steps decode steps: the prefill and the
+        # per-generate costs cancel
+        step_ms = (walls[1] - walls[0]) / args.steps * 1e3
         rows.append((b, step_ms, b * 1e3 / step_ms))
     print(f"\nmodel: Qwen3-30B-A3B shape, {args.layers} layers, random bf16, load {load_s:.1f} s; "
           f"HBM floor at batch 1: {floor_ms:.2f} ms ({active_bytes(cfg) / 1e9:.2f} GB)")

@@ -1,11 +1,14 @@
 """Sweep the fused MoE tiles on one GPU at the Qwen3-30B-A3B layer shape; prints a table last.
 
-For each token count T it times ``fused_moe_triton`` with the default tiles and with each
-candidate (CUDA events, median of several runs, kernel launches only: no host work in the
-loop), and reports the effective weight bandwidth: bytes of the experts the routing touches
-(3 * H * I * 2 bytes each) / time.
+For each token count T it times ``fused_moe_triton`` (align, both GEMMs, combine) with the
+default tiles, then searches one coordinate at a time: ``block_m``, then GEMM 1's tile and
+launch shape (n, k, warps, stages), then GEMM 2's. Up to ``ALIGN_IN_KERNEL_MAX_PAIRS`` pairs
+(decode; the engine replays these in CUDA graphs) the call is captured in a CUDA graph and
+timed by replays, so launch cost from Python is left out; above (prefill, eager in the engine)
+it is timed eagerly. Reports the effective weight bandwidth (bytes of the experts the routing
+touches, 3 * H * I * 2 each, / time) and, for large T, TFLOP/s.
 
-    python bench/moe_tiles.py [--tokens 1 8 32 128 256 1024 4096] [--quick]
+    python bench/moe_tiles.py [--tokens 1 256 8192]
 """
 
 from __future__ import annotations
@@ -13,17 +16,17 @@ from __future__ import annotations
 import argparse
 import itertools
 import sys
+from dataclasses import replace
 
 import torch
 
-from epserve.kernels.fused_moe_triton import MoeTiles, default_tiles, fused_moe_triton
+from epserve.kernels.fused_moe_triton import (ALIGN_IN_KERNEL_MAX_PAIRS, MoeTiles, default_tiles,
+                                              fused_moe_triton)
 
 H, I, E, K = 2048, 768, 128, 8
 
 
-def _time_ms(fn, iters: int = 20) -> float:
-    for _ in range(3):
-        fn()
+def _events_ms(fn, iters: int) -> float:
     times = []
     for _ in range(5):
         a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
@@ -36,21 +39,35 @@ def _time_ms(fn, iters: int = 20) -> float:
     return sorted(times)[len(times) // 2]
 
 
-def candidates(quick: bool) -> list[dict]:
-    out = []
-    for bm, bn, bk, warps, stages in itertools.product(
-            (16, 32, 64), (32, 64, 128), (64, 128), (4, 8), (3, 4)):
-        if quick and stages == 4:
-            continue
-        out.append(dict(block_m=bm, block_n1=bn, block_k1=bk, block_n2=bn, block_k2=bk,
-                        num_warps=warps, num_stages=stages))
-    return out
+def time_ms(fn, graph: bool, iters: int = 20) -> float:
+    """Median ms per call: CUDA-graph replays (``graph``) or eager calls."""
+    for _ in range(2):
+        fn()
+    torch.cuda.synchronize()
+    if not graph:
+        return _events_ms(fn, iters)
+    g = torch.cuda.CUDAGraph()
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        fn()
+        with torch.cuda.graph(g, stream=s):
+            fn()
+    torch.cuda.current_stream().wait_stream(s)
+    return _events_ms(g.replay, iters)
+
+
+def gemm_space(t: int) -> list[tuple[int, int, int, int]]:
+    """(n, k, warps, stages) candidates for one GEMM at T tokens."""
+    ns = (16, 32, 64, 128) if t <= 256 else (64, 128, 256)
+    ks = (64, 128, 256) if t <= 256 else (32, 64, 128)
+    stages = (3, 5) if t <= 256 else (3, 4)
+    return list(itertools.product(ns, ks, (4, 8), stages))
 
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--tokens", type=int, nargs="+", default=[1, 8, 32, 128, 256, 1024, 4096])
-    ap.add_argument("--quick", action="store_true")
+    ap.add_argument("--tokens", type=int, nargs="+", default=[1, 256, 8192])
     args = ap.parse_args(argv)
     g = torch.Generator(device="cuda").manual_seed(0)
     w13 = (torch.randn(E, 2 * I, H, device="cuda", generator=g) / H ** 0.5).bfloat16()
@@ -63,27 +80,45 @@ def main(argv: list[str] | None = None) -> int:
         wts = (wts / wts.sum(-1, keepdim=True)).float()
         touched = int(torch.unique(ids).numel())
         gbytes = touched * 3 * H * I * 2 / 1e9
-        base = default_tiles(t * K, E, H, I)
-        base_ms = _time_ms(lambda: fused_moe_triton(x, w13, w2, ids, wts, tiles=base))
-        best, best_ms = base, base_ms
-        for c in candidates(args.quick):
-            tiles = MoeTiles(**c)
+        tflop = t * K * 3 * H * I * 2 / 1e12
+        graph = t * K <= ALIGN_IN_KERNEL_MAX_PAIRS
+
+        def timed(tiles: MoeTiles) -> float:
             try:
-                ms = _time_ms(lambda: fused_moe_triton(x, w13, w2, ids, wts, tiles=tiles), 10)
+                return time_ms(lambda: fused_moe_triton(x, w13, w2, ids, wts, tiles=tiles), graph)
             except Exception as exc:  # out of shared memory etc.: not a candidate
-                print(f"T={t} {c}: {type(exc).__name__}", file=sys.stderr)
-                continue
+                print(f"T={t} {tiles.describe()}: {type(exc).__name__}", file=sys.stderr)
+                return float("inf")
+
+        base = default_tiles(t * K, E, H, I)
+        base_ms = best_ms = timed(base)
+        best = base
+        tried = 1
+        bms = (16, 32, 64) if t <= 256 else (32, 64, 128)
+        for bm in bms:  # coordinate 1: block_m
+            cand = replace(best, block_m=bm)
+            ms, tried = timed(cand), tried + 1
             if ms < best_ms:
-                best, best_ms = tiles, ms
-        rows.append((t, touched, base_ms, gbytes / base_ms * 1e3, best_ms,
-                     gbytes / best_ms * 1e3, best))
-        print(f"T={t}: default {base_ms:.3f} ms, best {best_ms:.3f} ms {best}", flush=True)
-    print("\n| T | experts hit | default ms | GB/s | best ms | GB/s | best tiles |")
-    print("|---:|---:|---:|---:|---:|---:|---|")
-    for t, hit, bms, bgb, ms, gb, tiles in rows:
-        desc = (f"m{tiles.block_m} n{tiles.block_n1} k{tiles.block_k1} "
-                f"w{tiles.num_warps} s{tiles.num_stages}")
-        print(f"| {t} | {hit} | {bms:.3f} | {bgb:.0f} | {ms:.3f} | {gb:.0f} | {desc} |")
+                best, best_ms = cand, ms
+        for gemm in ("1", "2"):  # coordinates 2 and 3: each GEMM's tile and launch shape
+            for n, k, w, s in gemm_space(t):
+                cand = replace(best, **{f"block_n{gemm}": n, f"block_k{gemm}": k,
+                                        f"warps{gemm}": w, f"stages{gemm}": s})
+                ms, tried = timed(cand), tried + 1
+                if ms < best_ms:
+                    best, best_ms = cand, ms
+        rows.append((t, touched, graph, base, base_ms, best, best_ms, gbytes, tflop))
+        print(f"T={t}: default {base_ms:.4f} ms ({base.describe()}), best {best_ms:.4f} ms "
+              f"({best.describe()}), {tried} tried", flush=True)
+    print("\nfused_moe_triton, Qwen3-30B-A3B layer (H 2048, I 768, 128 experts, top-8), bf16; "
+          "tiles: m | GEMM1 n k warps stages | GEMM2 n k warps stages")
+    print("| T | experts hit | timed | default ms | best ms | GB/s | TFLOP/s | default tiles "
+          "| best tiles |")
+    print("|---:|---:|---|---:|---:|---:|---:|---|---|")
+    for t, hit, graph, base, bms_, best, ms, gb, tf in rows:
+        print(f"| {t} | {hit} | {'graph' if graph else 'eager'} | {bms_:.4f} | {ms:.4f} | "
+              f"{gb / ms * 1e3:.0f} | {tf / ms * 1e3:.0f} | {base.describe()} | "
+              f"{best.describe()} |")
     return 0
 
 

@@ -1,7 +1,8 @@
-"""Where a batch-1 decode step's time goes: torch profiler over a few decode steps of the
-Qwen3-30B-A3B shape (random bf16), top ops by self CUDA time and by self CPU time.
+"""Where a step's time goes: torch profiler over one prefill step and a few decode steps of
+the Qwen3-30B-A3B shape (random bf16), top ops by self CUDA time and by self CPU time.
 
     python bench/profile_decode.py [--layers 8] [--steps 4] [--batch 1] [--enforce-eager]
+    python bench/profile_decode.py --layers 48 --batch 32 --prompt-len 256 --steps 0  # prefill
 """
 
 from __future__ import annotations
@@ -10,6 +11,7 @@ import argparse
 import json
 import sys
 import tempfile
+import time
 from pathlib import Path
 
 import torch
@@ -26,15 +28,30 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--layers", type=int, default=8)
     ap.add_argument("--steps", type=int, default=4)
     ap.add_argument("--batch", type=int, default=1)
+    ap.add_argument("--prompt-len", type=int, default=16,
+                    help="tokens per prompt; batch x prompt-len is one prefill step")
     ap.add_argument("--enforce-eager", action="store_true", help="profile without CUDA graphs")
     args = ap.parse_args(argv)
     folder = Path(tempfile.mkdtemp())
     (folder / "config.json").write_text(json.dumps(dict(QWEN3_30B_A3B,
                                                         num_hidden_layers=args.layers)))
     llm = LLM(model=str(folder), dtype="bfloat16", load_format="dummy", device="cuda",
-              max_model_len=2048, num_kv_blocks=4096, enforce_eager=args.enforce_eager)
-    prompt = [{"prompt_token_ids": list(range(5 + i, 21 + i))} for i in range(args.batch)]
-    llm.generate(prompt, SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True))
+              max_model_len=max(2048, args.prompt_len + args.steps + 8), num_kv_blocks=4096,
+              max_num_batched_tokens=max(2048, args.batch * args.prompt_len),
+              enforce_eager=args.enforce_eager)
+
+    def prompts(shift: int) -> list[dict]:  # warm-up and profiled prompts differ: no prefix hit
+        return [{"prompt_token_ids": [(7 * i + j + shift) % 1000 + 5
+                                      for j in range(args.prompt_len)]} for i in range(args.batch)]
+
+    prompt = prompts(0)
+    llm.generate(prompts(500), SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True))
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()  # the same work unprofiled (other prompts: no prefix hit)
+    llm.generate(prompts(250), SamplingParams(temperature=0.0, max_tokens=args.steps + 1,
+                                              ignore_eos=True))
+    torch.cuda.synchronize()
+    wall_ms = (time.perf_counter() - t0) * 1e3
     with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
         llm.generate(prompt, SamplingParams(temperature=0.0, max_tokens=args.steps + 1,
                                             ignore_eos=True))
@@ -43,8 +60,9 @@ def main(argv: list[str] | None = None) -> int:
     print(ka.table(sort_by="self_cpu_time_total", row_limit=12, max_name_column_width=60))
     print(ka.table(sort_by="self_cuda_time_total", row_limit=25, max_name_column_width=60))
     cuda_us = sum(e.self_device_time_total for e in ka)
+    print(f"unprofiled wall time of the same generate: {wall_ms:.2f} ms")
     print(f"total self CUDA time {cuda_us / 1e3:.2f} ms over {args.steps + 1} steps "
-          f"(batch {args.batch}, {args.layers} layers, graphs {'off' if args.enforce_eager else 'on'})")
+          f"(batch {args.batch}, prompt {args.prompt_len}, {args.layers} layers, graphs {'off' if args.enforce_eager else 'on'})")
     return 0
 
 

@@ -29,31 +29,45 @@ from epserve.kernels.moe_align_triton import moe_align, moe_align_ref
 #: harmless there.
 ALIGN_IN_KERNEL_MAX_PAIRS = 4096
 
+#: Up to this many pairs (batch 1-2 decode at top-8) there is no layout at all: each pair is
+#: its own block (one valid row), its expert read from ``topk_ids`` by the GEMMs. Saves the
+#: ``moe_align`` launch; pairs that share an expert read its weights once each (rare here).
+PAIR_BLOCKS_MAX_PAIRS = 16
+
 
 @triton.jit
 def _moe_gemm_kernel(a_ptr, b_ptr, c_ptr, w_ptr, sorted_ids_ptr, block_expert_ptr,
-                     num_slots, top_k, up_offset,
+                     num_slots, top_k, up_offset, expert_offset, num_local,
                      stride_am, stride_ak, stride_be, stride_bn, stride_bk, stride_cm, stride_cn,
                      N: tl.constexpr, KD: tl.constexpr,
                      BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                      A_BY_PAIR: tl.constexpr, C_BY_PAIR: tl.constexpr, FUSE_SILU: tl.constexpr,
-                     MUL_WEIGHT: tl.constexpr, PRECISION: tl.constexpr):
+                     MUL_WEIGHT: tl.constexpr, PRECISION: tl.constexpr,
+                     PAIR_BLOCKS: tl.constexpr):
     """One [BLOCK_M, BLOCK_N] tile of ``A[rows] @ B[e]^T`` for a block of one expert's pairs.
 
     Rows of A: ``pair // top_k`` (A_BY_PAIR, i.e. x) or the sorted position (the intermediate).
     FUSE_SILU: also computes the tile at rows ``up_offset + n`` of B[e] and stores
     ``silu(gate) * up``. MUL_WEIGHT: scales row by ``w[pair]``. Rows of C: ``pair`` (C_BY_PAIR)
     or the sorted position. Sentinel pairs (``>= num_slots``) load zeros and are not stored.
+    PAIR_BLOCKS (a few pairs, no layout): block b is pair b alone, its expert read from the
+    flat ``topk_ids`` (``block_expert_ptr``); its other rows are sentinels.
     N and KD (the layer's H / I) are compile-time constants: one compile per layer shape, and
     the interpreter (numpy 2.x) cannot loop over a runtime bound.
     """
     pid_m = tl.program_id(0)
     pid_n = tl.program_id(1)
-    e = tl.load(block_expert_ptr + pid_m).to(tl.int64)
-    if e < 0:
-        return
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-    pair = tl.load(sorted_ids_ptr + offs_m).to(tl.int64)
+    if PAIR_BLOCKS:
+        e = tl.load(block_expert_ptr + pid_m).to(tl.int64) - expert_offset
+        if (e < 0) | (e >= num_local):
+            return
+        pair = tl.where(tl.arange(0, BLOCK_M) == 0, pid_m, num_slots).to(tl.int64)
+    else:
+        e = tl.load(block_expert_ptr + pid_m).to(tl.int64)
+        if e < 0:
+            return
+        pair = tl.load(sorted_ids_ptr + offs_m).to(tl.int64)
     valid = pair < num_slots
     if A_BY_PAIR:
         a_rows = pair // top_k
@@ -113,21 +127,35 @@ _DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 
 @dataclass(frozen=True)
 class MoeTiles:
-    """Tile sizes and launch shape of the two GEMMs (block sizes are powers of two >= 16)."""
+    """Tile sizes and launch shape of the two GEMMs (block sizes are powers of two >= 16).
+    ``block_m`` is shared (it is the alignment of each expert's group); the rest is per GEMM."""
 
     block_m: int
     block_n1: int = 64
     block_k1: int = 64
+    warps1: int = 4
+    stages1: int = 3
     block_n2: int = 64
     block_k2: int = 64
-    num_warps: int = 4
-    num_stages: int = 3
+    warps2: int = 4
+    stages2: int = 3
 
     def __post_init__(self) -> None:
         for name in ("block_m", "block_n1", "block_k1", "block_n2", "block_k2"):
             v = getattr(self, name)
             if v < 16 or v & (v - 1):
                 raise ValueError(f"fused_moe_triton: {name} must be a power of two >= 16, got {v}")
+        for name in ("warps1", "warps2"):
+            v = getattr(self, name)
+            if v not in (1, 2, 4, 8, 16):
+                raise ValueError(f"fused_moe_triton: {name} must be 1, 2, 4, 8 or 16, got {v}")
+        for name in ("stages1", "stages2"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"fused_moe_triton: {name} must be >= 1, got {getattr(self, name)}")
+
+    def describe(self) -> str:
+        return (f"m{self.block_m} | n{self.block_n1} k{self.block_k1} w{self.warps1} "
+                f"s{self.stages1} | n{self.block_n2} k{self.block_k2} w{self.warps2} s{self.stages2}")
 
 
 def default_tiles(num_pairs: int, num_local: int, h: int, inter: int) -> MoeTiles:
@@ -139,23 +167,26 @@ def default_tiles(num_pairs: int, num_local: int, h: int, inter: int) -> MoeTile
     avg = num_pairs / max(num_local, 1)
     want = avg + 3.0 * avg ** 0.5
     bm = 16 if want <= 16 else (32 if want <= 32 else 64)
-    return MoeTiles(block_m=bm, num_warps=8 if bm == 16 else 4,
+    warps = 8 if bm == 16 else 4
+    return MoeTiles(block_m=bm, warps1=warps, warps2=warps,
                     block_n1=min(64, max(16, triton.next_power_of_2(inter))),
                     block_k1=min(64, max(16, triton.next_power_of_2(h))),
                     block_n2=min(64, max(16, triton.next_power_of_2(h))),
                     block_k2=min(64, max(16, triton.next_power_of_2(inter))))
 
 
-def _launch(a, b, c, w, sorted_ids, block_expert, n, kd, num_slots, top_k, up_offset, tiles, *,
-            block_n, block_k, a_by_pair, c_by_pair, fuse_silu, mul_weight):
+def _launch(a, b, c, w, sorted_ids, block_expert, n, kd, num_slots, top_k, up_offset, block_m, *,
+            block_n, block_k, warps, stages, a_by_pair, c_by_pair, fuse_silu, mul_weight,
+            pair_blocks, expert_offset, num_local):
     grid = (block_expert.numel(), triton.cdiv(n, block_n))
     precision = "ieee" if a.dtype == torch.float32 else "tf32"
     _moe_gemm_kernel[grid](
-        a, b, c, w, sorted_ids, block_expert, num_slots, top_k, up_offset,
+        a, b, c, w, sorted_ids, block_expert, num_slots, top_k, up_offset, expert_offset,
+        num_local,
         a.stride(0), a.stride(1), b.stride(0), b.stride(1), b.stride(2), c.stride(0), c.stride(1),
-        N=n, KD=kd, BLOCK_M=tiles.block_m, BLOCK_N=block_n, BLOCK_K=block_k, A_BY_PAIR=a_by_pair,
+        N=n, KD=kd, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, A_BY_PAIR=a_by_pair,
         C_BY_PAIR=c_by_pair, FUSE_SILU=fuse_silu, MUL_WEIGHT=mul_weight, PRECISION=precision,
-        num_warps=tiles.num_warps, num_stages=tiles.num_stages)
+        PAIR_BLOCKS=pair_blocks, num_warps=warps, num_stages=stages)
 
 
 def fused_moe_triton(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_ids: torch.Tensor,
@@ -204,28 +235,35 @@ def fused_moe_triton(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_
     if over:
         tiles = replace(tiles, **over)
     block_m = tiles.block_m
-    # static-size layout, no host sync (CUDA graphs); blocks with expert -1 exit at once
-    align = moe_align if t * top_k <= ALIGN_IN_KERNEL_MAX_PAIRS else moe_align_ref
-    sorted_ids, block_expert = align(topk_ids, e, expert_offset, block_m)
+    ids = topk_ids if topk_ids.is_contiguous() else topk_ids.contiguous()
+    pair_blocks = t * top_k <= PAIR_BLOCKS_MAX_PAIRS
+    if pair_blocks:  # one block per pair, experts read from topk_ids: no layout to build
+        block_expert, sorted_ids = ids.reshape(-1), ids  # sorted_ids: unused
+        inter_rows = t * top_k * block_m
+    else:  # static-size layout, no host sync (CUDA graphs); blocks with expert -1 exit at once
+        align = moe_align if t * top_k <= ALIGN_IN_KERNEL_MAX_PAIRS else moe_align_ref
+        sorted_ids, block_expert = align(topk_ids, e, expert_offset, block_m)
+        inter_rows = sorted_ids.numel()
     x = x.contiguous() if x.stride(-1) != 1 else x
     weights = topk_weights.reshape(-1).to(torch.float32).contiguous()
     num_slots = t * top_k
 
     # GEMM 1: x[p // K] @ w13[e]^T, SiLU(gate) * up -> intermediate in sorted order.
-    inter_buf = torch.empty((sorted_ids.numel(), inter), dtype=x.dtype, device=x.device)
+    inter_buf = torch.empty((inter_rows, inter), dtype=x.dtype, device=x.device)
     _launch(x, w13, inter_buf, weights, sorted_ids, block_expert, inter, h, num_slots, top_k,
-            inter, tiles, block_n=tiles.block_n1, block_k=tiles.block_k1, a_by_pair=True,
-            c_by_pair=False, fuse_silu=True, mul_weight=False)
+            inter, block_m, block_n=tiles.block_n1, block_k=tiles.block_k1, warps=tiles.warps1,
+            stages=tiles.stages1, a_by_pair=True, c_by_pair=False, fuse_silu=True,
+            mul_weight=False, pair_blocks=pair_blocks, expert_offset=expert_offset, num_local=e)
 
     # GEMM 2: intermediate @ w2[e]^T * weight -> y[p] (float32); non-local rows stay unwritten.
     y = torch.empty((num_slots, h), dtype=torch.float32, device=x.device)
     _launch(inter_buf, w2, y, weights, sorted_ids, block_expert, h, inter, num_slots, top_k,
-            0, tiles, block_n=tiles.block_n2, block_k=tiles.block_k2, a_by_pair=False,
-            c_by_pair=True, fuse_silu=False, mul_weight=True)
+            0, block_m, block_n=tiles.block_n2, block_k=tiles.block_k2, warps=tiles.warps2,
+            stages=tiles.stages2, a_by_pair=False, c_by_pair=True, fuse_silu=False,
+            mul_weight=True, pair_blocks=pair_blocks, expert_offset=expert_offset, num_local=e)
     # Combine: each token's local pairs summed in float32 (the combine skips non-local pairs).
     out = torch.empty((t, h), dtype=x.dtype, device=x.device)
     block_h = min(1024, triton.next_power_of_2(h))
-    ids = topk_ids if topk_ids.is_contiguous() else topk_ids.contiguous()
     _combine_kernel[(t, triton.cdiv(h, block_h))](y, ids, out, h, e, expert_offset,
                                                    TOP_K=top_k, BLOCK_H=block_h)
     return out

@@ -144,3 +144,34 @@ def test_large_batches_align_with_the_torch_layout(monkeypatch):
         _check(fmt.fused_moe_triton(x, w13, w2, ids, wts, expert_offset=3),
                fused_moe_ref(x, w13, w2, ids, wts, expert_offset=3), dtype)
     assert len(calls) == 4
+
+
+def test_few_pairs_skip_the_layout(monkeypatch):
+    # up to PAIR_BLOCKS_MAX_PAIRS (batch-1/2 decode) no layout is built: each pair is a block
+    def no_align(*a):
+        raise AssertionError("moe_align called for a few pairs")
+
+    monkeypatch.setattr(fmt, "moe_align", no_align)
+    monkeypatch.setattr(fmt, "moe_align_ref", no_align)
+    assert fmt.PAIR_BLOCKS_MAX_PAIRS >= 8
+    for dtype in (torch.float32, torch.float16):
+        x, w13, w2, ids, wts = _inputs(2, 32, 16, 6, 4, dtype, seed=21)  # tokens share experts
+        assert len(set(ids[0].tolist()) & set(ids[1].tolist())) >= 2
+        _check(fmt.fused_moe_triton(x, w13, w2, ids, wts), fused_moe_ref(x, w13, w2, ids, wts),
+               dtype)
+        x, _, _, ids, wts = _inputs(2, 32, 16, 8, 4, dtype, seed=22)
+        _, w13, w2, _, _ = _inputs(2, 32, 16, 8, 4, dtype, seed=23, e_local=3)
+        local = (ids >= 3) & (ids < 6)
+        assert local.any() and (~local).any()
+        _check(fmt.fused_moe_triton(x, w13, w2, ids, wts, expert_offset=3),
+               fused_moe_ref(x, w13, w2, ids, wts, expert_offset=3), dtype)
+
+
+@pytest.mark.parametrize("shape", SHAPES[:1] + SHAPES[3:], ids=["T1", "T5K1"])
+def test_few_pairs_through_the_layout(shape, monkeypatch):
+    # the layout path stays correct for the smallest batches too (other top-k / thresholds)
+    monkeypatch.setattr(fmt, "PAIR_BLOCKS_MAX_PAIRS", 0)
+    t, h, i, e, k, bm = shape
+    x, w13, w2, ids, wts = _inputs(t, h, i, e, k, torch.float32, seed=t * 31 + h)
+    _check(fmt.fused_moe_triton(x, w13, w2, ids, wts, block_m=bm),
+           fused_moe_ref(x, w13, w2, ids, wts), torch.float32)

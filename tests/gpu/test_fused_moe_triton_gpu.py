@@ -37,7 +37,7 @@ def _time_ms(fn, iters=20):
     return cuda_ms(fn, iters)
 
 
-@pytest.mark.parametrize("t", [1, 8, 256])
+@pytest.mark.parametrize("t", [1, 2, 8, 256, 8192])  # pair blocks, layout, torch layout
 def test_bf16_matches_fp32_ref(weights, t):
     from epserve.kernels.fused_moe_triton import fused_moe_triton
     from epserve.kernels.moe import fused_moe_ref
