@@ -7,7 +7,8 @@ cache's dtype.
 ``write_kv`` runs ``epserve.kernels.kv_write_triton`` (one launch for K and V, CUDA-graph
 capturable: padding is a store mask, not a boolean index) for CUDA tensors, or anywhere while
 ``TRITON_INTERPRET=1`` (CPU tests), when triton imports and the layout is one it covers; the
-reference otherwise.
+reference otherwise. ``Attention`` writes through ``rope.apply_qk_norm_rope(..., v=, k_cache=,
+v_cache=, slot_mapping=)`` instead: the same write, fused into the q/k norm + rope launch.
 """
 
 from __future__ import annotations
@@ -36,10 +37,7 @@ def write_kv_ref(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cach
 def write_kv(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
              slot_mapping: torch.Tensor) -> None:
     """Public entry for ``write_kv_ref`` (same contract); picks the implementation."""
-    _check_kv_shapes(k, v, k_cache, v_cache)
-    if slot_mapping.shape != (k.shape[0],):
-        raise ValueError(f"write_kv: slot_mapping shape {tuple(slot_mapping.shape)}, "
-                         f"expected ({k.shape[0]},)")
+    check_kv_args("write_kv", k, v, k_cache, v_cache, slot_mapping)
     if _use_triton(k, v, k_cache, v_cache, slot_mapping):
         from epserve.kernels.kv_write_triton import write_kv_triton
 
@@ -66,10 +64,15 @@ def _use_triton(k, v, k_cache, v_cache, slot_mapping) -> bool:
     return True
 
 
-def _check_kv_shapes(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
-                     v_cache: torch.Tensor) -> None:
+def check_kv_args(name: str, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
+                  v_cache: torch.Tensor, slot_mapping: torch.Tensor) -> None:
+    """Shape checks of a KV write, ValueError prefixed with ``name`` (the public entry): k, v
+    [T, Hkv, D]; k_cache, v_cache [NB, BS, Hkv, D]; slot_mapping [T]."""
     if k.shape != v.shape or k.dim() != 3:
-        raise ValueError(f"write_kv: k {tuple(k.shape)} and v {tuple(v.shape)} must both be [T, Hkv, D]")
+        raise ValueError(f"{name}: k {tuple(k.shape)} and v {tuple(v.shape)} must both be [T, Hkv, D]")
     if k_cache.shape != v_cache.shape or k_cache.dim() != 4 or k_cache.shape[2:] != k.shape[1:]:
-        raise ValueError(f"write_kv: caches {tuple(k_cache.shape)} / {tuple(v_cache.shape)} must be "
+        raise ValueError(f"{name}: caches {tuple(k_cache.shape)} / {tuple(v_cache.shape)} must be "
                          f"[NB, BS, {k.shape[1]}, {k.shape[2]}]")
+    if slot_mapping.shape != (k.shape[0],):
+        raise ValueError(f"{name}: slot_mapping shape {tuple(slot_mapping.shape)}, "
+                         f"expected ({k.shape[0]},)")

@@ -18,9 +18,7 @@ import torch
 import triton
 import triton.language as tl
 
-from epserve.kernels.wrapper_checks import check_devices
-
-_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+from epserve.kernels.wrapper_checks import check_devices, check_kv_write_inputs
 
 
 @triton.jit
@@ -62,21 +60,7 @@ def write_kv_triton(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
     (fp32/fp16/bf16, last dim contiguous); slot_mapping: [T] int64 or int32, contiguous.
     """
     name = "write_kv_triton"
-    if k.dim() != 3 or k.shape != v.shape:
-        raise ValueError(f"{name}: k {tuple(k.shape)} and v {tuple(v.shape)} must both be "
-                         f"[T, Hkv, D]")
-    t, hkv, d = k.shape
-    if k_cache.dim() != 4 or k_cache.shape != v_cache.shape or k_cache.shape[2:] != (hkv, d):
-        raise ValueError(f"{name}: caches {tuple(k_cache.shape)} / {tuple(v_cache.shape)} must "
-                         f"both be [NB, BS, {hkv}, {d}]")
-    if slot_mapping.shape != (t,) or slot_mapping.dtype not in (torch.int64, torch.int32):
-        raise ValueError(f"{name}: slot_mapping {tuple(slot_mapping.shape)} "
-                         f"{slot_mapping.dtype} must be [{t}] int64 or int32")
-    dtypes = (k.dtype, v.dtype, k_cache.dtype, v_cache.dtype)
-    if any(dt not in _DTYPES for dt in dtypes):
-        raise ValueError(f"{name}: k, v, k_cache, v_cache dtypes {dtypes} must be in {_DTYPES}")
-    if any(x.stride(-1) != 1 for x in (k, v, k_cache, v_cache)) and d > 1:
-        raise ValueError(f"{name}: k, v, k_cache, v_cache need a contiguous last dim")
+    t, hkv, d = check_kv_write_inputs(name, k, v, k_cache, v_cache, slot_mapping)
     check_devices(name, (k, v, k_cache, v_cache, slot_mapping), _INTERPRETED,
                   "epserve.kernels.kv_write_triton")
     if t == 0 or hkv == 0 or d == 0:

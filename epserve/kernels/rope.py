@@ -4,10 +4,10 @@ Invariants: the cos/sin cache is float32, ``[P, D/2]``, with ``inv_freq`` and an
 exactly as transformers' default rope does; dimension ``i < D/2`` is paired with ``i + D/2``.
 The rotation runs in float32 and returns the inputs' dtype.
 
-``apply_qk_norm_rope`` (per-head q/k RMSNorm, then rope) runs ``epserve.kernels.rope_triton``
-(one launch, in place, CUDA-graph capturable) for CUDA tensors, or anywhere while
-``TRITON_INTERPRET=1`` (CPU tests), when triton imports and the layout is one it covers; the
-reference otherwise.
+``apply_qk_norm_rope`` (per-head q/k RMSNorm, then rope; optionally this step's paged KV write
+too) runs ``epserve.kernels.rope_triton`` (one launch, in place, CUDA-graph capturable) for CUDA
+tensors, or anywhere while ``TRITON_INTERPRET=1`` (CPU tests), when triton imports and the
+layout is one it covers; the reference (then ``write_kv``) otherwise.
 """
 
 from __future__ import annotations
@@ -16,6 +16,7 @@ import os
 
 import torch
 
+from epserve.kernels.kv_write import check_kv_args, write_kv
 from epserve.kernels.norm import rms_norm_ref
 
 
@@ -78,12 +79,18 @@ def apply_qk_norm_rope_ref(q: torch.Tensor, k: torch.Tensor, positions: torch.Te
 def apply_qk_norm_rope(q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor,
                        cos_cache: torch.Tensor, sin_cache: torch.Tensor,
                        q_weight: torch.Tensor | None = None, k_weight: torch.Tensor | None = None,
-                       eps: float = 1e-6) -> tuple[torch.Tensor, torch.Tensor]:
-    """Public entry for ``apply_qk_norm_rope_ref``, IN PLACE on every path.
+                       eps: float = 1e-6, *, v: torch.Tensor | None = None,
+                       k_cache: torch.Tensor | None = None, v_cache: torch.Tensor | None = None,
+                       slot_mapping: torch.Tensor | None = None
+                       ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Public entry for ``apply_qk_norm_rope_ref``, IN PLACE on every path; with the KV
+    arguments it then also writes this step's K/V as ``write_kv_ref(k, v, k_cache, v_cache,
+    slot_mapping)`` on the normed + rotated k (one launch on the Triton path).
 
     q: [T, Hq, D]; k: [T, Hkv, D] (may be strided views, e.g. of one fused qkv output);
     positions: [T]; cos_cache, sin_cache: [P, D/2]; q_weight, k_weight: [D] or None. Writes the
-    result into q and k and returns them (the same objects).
+    result into q and k and returns them (the same objects). v: [T, Hkv, D]; k_cache, v_cache:
+    [NB, BS, Hkv, D]; slot_mapping: [T] (-1: a padded row, writes nothing); all four or none.
     """
     if q.dim() != 3 or k.dim() != 3 or q.shape[0] != k.shape[0] or q.shape[2] != k.shape[2]:
         raise ValueError(f"apply_qk_norm_rope: q {tuple(q.shape)} and k {tuple(k.shape)} must be "
@@ -95,30 +102,49 @@ def apply_qk_norm_rope(q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor
     for name, w in (("q_weight", q_weight), ("k_weight", k_weight)):
         if w is not None and tuple(w.shape) != (d,):
             raise ValueError(f"apply_qk_norm_rope: {name} {tuple(w.shape)} must be [{d}]")
-    if _use_triton(q, k, positions, cos_cache, sin_cache, q_weight, k_weight):
+    kv = (v, k_cache, v_cache, slot_mapping)
+    given = [n for n, x in zip(("v", "k_cache", "v_cache", "slot_mapping"), kv) if x is not None]
+    with_kv = len(given) == len(kv)
+    if given and not with_kv:
+        raise ValueError(f"apply_qk_norm_rope: v, k_cache, v_cache and slot_mapping go together "
+                         f"(all or none); got only {', '.join(given)}")
+    if with_kv:
+        check_kv_args("apply_qk_norm_rope", k, v, k_cache, v_cache, slot_mapping)
+    if _use_triton(q, k, positions, cos_cache, sin_cache, q_weight, k_weight,
+                   kv if with_kv else ()):
         from epserve.kernels.rope_triton import qk_norm_rope_triton
 
-        return qk_norm_rope_triton(q, k, positions, cos_cache, sin_cache, q_weight, k_weight, eps)
+        return qk_norm_rope_triton(q, k, positions, cos_cache, sin_cache, q_weight, k_weight, eps,
+                                   v=v, k_cache=k_cache, v_cache=v_cache,
+                                   slot_mapping=slot_mapping)
     q_new, k_new = apply_qk_norm_rope_ref(q, k, positions, cos_cache, sin_cache, q_weight,
                                           k_weight, eps)
     q.copy_(q_new)
     k.copy_(k_new)
+    if with_kv:
+        write_kv(k, v, k_cache, v_cache, slot_mapping)
     return q, k
 
 
 _TRITON_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 
 
-def _use_triton(q, k, positions, cos_cache, sin_cache, q_weight, k_weight) -> bool:
-    """CUDA (or TRITON_INTERPRET=1), triton importable, and a layout the kernel covers."""
+def _use_triton(q, k, positions, cos_cache, sin_cache, q_weight, k_weight, kv=()) -> bool:
+    """CUDA (or TRITON_INTERPRET=1), triton importable, and a layout the kernel covers; ``kv``:
+    (v, k_cache, v_cache, slot_mapping) when the KV write is fused in, else empty."""
     if not (q.is_cuda or os.environ.get("TRITON_INTERPRET") == "1"):
         return False
     if (q.dtype not in _TRITON_DTYPES or k.dtype != q.dtype or q.stride(2) != 1
             or k.stride(2) != 1 or cos_cache.stride(-1) != 1 or sin_cache.stride(-1) != 1
             or positions.dtype not in (torch.int64, torch.int32)):
         return False
-    tensors = [k, positions, cos_cache, sin_cache] + [w for w in (q_weight, k_weight)
-                                                      if w is not None]
+    if kv:
+        v, k_cache, v_cache, slot_mapping = kv
+        if (any(x.dtype not in _TRITON_DTYPES or x.stride(-1) != 1 for x in (v, k_cache, v_cache))
+                or slot_mapping.dtype not in (torch.int64, torch.int32)):
+            return False
+    tensors = [k, positions, cos_cache, sin_cache, *kv] + [w for w in (q_weight, k_weight)
+                                                           if w is not None]
     if any(t.device != q.device for t in tensors):
         return False
     try:  # lazy: triton is optional; without it every device runs the reference

@@ -40,6 +40,30 @@ def check_paged_inputs(name: str, q: torch.Tensor, k_cache: torch.Tensor, v_cach
     return t, hq, d, bs, hkv
 
 
+def check_kv_write_inputs(name: str, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
+                          v_cache: torch.Tensor,
+                          slot_mapping: torch.Tensor) -> tuple[int, int, int]:
+    """k, v [T, Hkv, D]; caches [NB, BS, Hkv, D]; all four one of ``DTYPES`` (each its own) with a
+    contiguous last dim (other strides free); slot_mapping [T] int64 or int32. Returns
+    ``(T, Hkv, D)``."""
+    if k.dim() != 3 or k.shape != v.shape:
+        raise ValueError(f"{name}: k {tuple(k.shape)} and v {tuple(v.shape)} must both be "
+                         f"[T, Hkv, D]")
+    t, hkv, d = k.shape
+    if k_cache.dim() != 4 or k_cache.shape != v_cache.shape or k_cache.shape[2:] != (hkv, d):
+        raise ValueError(f"{name}: caches {tuple(k_cache.shape)} / {tuple(v_cache.shape)} must "
+                         f"both be [NB, BS, {hkv}, {d}]")
+    if slot_mapping.shape != (t,) or slot_mapping.dtype not in (torch.int64, torch.int32):
+        raise ValueError(f"{name}: slot_mapping {tuple(slot_mapping.shape)} "
+                         f"{slot_mapping.dtype} must be [{t}] int64 or int32")
+    dtypes = (k.dtype, v.dtype, k_cache.dtype, v_cache.dtype)
+    if any(dt not in DTYPES for dt in dtypes):
+        raise ValueError(f"{name}: k, v, k_cache, v_cache dtypes {dtypes} must be in {DTYPES}")
+    if any(x.stride(-1) != 1 for x in (k, v, k_cache, v_cache)) and d > 1:
+        raise ValueError(f"{name}: k, v, k_cache, v_cache need a contiguous last dim")
+    return t, hkv, d
+
+
 def check_devices(name: str, tensors, interpreted: bool, module: str) -> None:
     """All ``tensors`` on one device, and that device CUDA unless ``module``'s kernels were
     defined under the Triton interpreter (``interpreted``)."""

@@ -18,7 +18,6 @@ import torch.nn.functional as F
 from torch import nn
 
 from epserve.kernels.attention import AttentionMetadata, paged_attention
-from epserve.kernels.kv_write import write_kv
 from epserve.kernels.moe import fused_moe
 from epserve.kernels.norm import fused_add_rms_norm, rms_norm
 from epserve.kernels.rope import apply_qk_norm_rope, apply_rope, build_rope_cache
@@ -68,7 +67,8 @@ class Attention(nn.Module):
 
     q, k and v come from one fused projection ``qkv_proj`` (rows: Hq*D of q, then Hkv*D of k,
     then Hkv*D of v; the checkpoint's q_proj / k_proj / v_proj load into those slices): one
-    GEMM instead of three. q and k are normed and rotated in place inside its output.
+    GEMM instead of three. q and k are normed and rotated in place inside its output, and the
+    same kernel writes the rotated k and v into the paged KV cache.
     """
 
     def __init__(self, cfg: ModelConfig):
@@ -93,13 +93,15 @@ class Attention(nn.Module):
         q = qkv[:, :qs].view(t, self.num_heads, self.head_dim)  # [T, Hq, D] views
         k = qkv[:, qs:qs + ks].view(t, self.num_kv_heads, self.head_dim)  # [T, Hkv, D]
         v = qkv[:, qs + ks:].view(t, self.num_kv_heads, self.head_dim)
-        # Per-head q/k RMSNorm (Qwen3; None skips it) and rope: one kernel, in place.
+        # Per-head q/k RMSNorm (Qwen3; None skips it) and rope, in place, plus this step's K/V
+        # into the paged cache (slot -1 rows write nothing): one kernel.
         qw = None if self.q_norm is None else self.q_norm.weight
         kw = None if self.k_norm is None else self.k_norm.weight
         eps = self.q_norm.eps if self.q_norm is not None else 1e-6
-        q, k = apply_qk_norm_rope(q, k, positions, rope.cos_cache, rope.sin_cache, qw, kw, eps)
         k_cache, v_cache = kv_cache
-        write_kv(k, v, k_cache, v_cache, meta.slot_mapping)
+        q, k = apply_qk_norm_rope(q, k, positions, rope.cos_cache, rope.sin_cache, qw, kw, eps,
+                                  v=v, k_cache=k_cache, v_cache=v_cache,
+                                  slot_mapping=meta.slot_mapping)
         out = paged_attention(q, k_cache, v_cache, meta, self.scale, self.sliding_window)
         return self.o_proj(out.reshape(t, self.num_heads * self.head_dim))  # [T, H]
 

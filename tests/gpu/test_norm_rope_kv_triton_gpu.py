@@ -10,7 +10,11 @@ Tolerances:
   the v third of the fused qkv buffer must be untouched.
 - write_kv: exact (a copy; fp32 -> bf16 rounds to nearest even on both sides); slot -1 rows
   write nothing.
-- CUDA-graph capture of the three public entries: replay with new inputs equals eager.
+- q/k norm + rope with the KV write fused in: q, k and the K cache as q/k norm + rope against
+  the refs; the caches exactly ``write_kv_ref`` of the kernel's own rotated k and v; rows not
+  written (slot -1 padding, unused slots) untouched.
+- CUDA-graph capture of the public entries (KV write separate or fused): replay with new
+  inputs equals eager.
 """
 
 from __future__ import annotations
@@ -102,6 +106,40 @@ def test_qk_norm_rope_bf16(t, weights):
 
 
 @pytest.mark.parametrize("t", [1, 256])
+@pytest.mark.parametrize("weights", [True, False], ids=["qwen3", "no_qk_norm"])
+def test_qk_norm_rope_fused_kv_write_bf16(t, weights):
+    from epserve.kernels.kv_write import write_kv_ref
+    from epserve.kernels.rope import apply_qk_norm_rope, apply_qk_norm_rope_ref
+
+    _, q, k, v = _qkv(t, seed=80 + t)
+    positions, cos, sin, qw, kw = _rope_inputs(t, seed=90 + t)
+    if not weights:
+        qw = kw = None
+    g = _gen(100 + t)
+    kc = torch.randn(NB, BS, HKV, D, device="cuda", generator=g).to(BF)
+    vc = torch.randn(NB, BS, HKV, D, device="cuda", generator=g).to(BF)
+    slots = torch.randperm(NB * BS, device="cuda", generator=g)[:t]
+    slots[::3] = -1  # padded rows (row 0 included, so T=1 is all padding)
+    v0, kc0, vc0 = v.clone(), kc.clone(), vc.clone()
+    ref_q, ref_k = apply_qk_norm_rope_ref(q, k, positions, cos, sin, qw, kw, 1e-6)
+    ref_kc, ref_vc = kc.clone(), vc.clone()
+    write_kv_ref(ref_k, v, ref_kc, ref_vc, slots)
+    apply_qk_norm_rope(q, k, positions, cos, sin, qw, kw, 1e-6, v=v, k_cache=kc, v_cache=vc,
+                       slot_mapping=slots)  # CUDA: the Triton kernel, one launch
+    rq, rk, rkc = _rel(q, ref_q), _rel(k, ref_k), _rel(kc, ref_kc)
+    print(f"qk_norm_rope+kv T={t} weights={weights}: rel q {rq:.2e}, k {rk:.2e}, "
+          f"k_cache {rkc:.2e}")
+    assert rq <= 1e-2 and rk <= 1e-2 and rkc <= 1e-2
+    assert torch.equal(v, v0) and torch.equal(vc, ref_vc)
+    own_kc = kc0.clone()
+    write_kv_ref(k, v, own_kc, vc0, slots)
+    assert torch.equal(kc, own_kc)
+    untouched = torch.ones(NB * BS, dtype=torch.bool, device="cuda")
+    untouched[slots[slots >= 0]] = False
+    assert torch.equal(kc.view(-1, HKV, D)[untouched], kc0.view(-1, HKV, D)[untouched])
+
+
+@pytest.mark.parametrize("t", [1, 256])
 @pytest.mark.parametrize("src", [BF, torch.float32], ids=["bf16", "fp32"])
 def test_write_kv_bf16_cache(t, src):
     from epserve.kernels.kv_write import write_kv_ref
@@ -120,7 +158,8 @@ def test_write_kv_bf16_cache(t, src):
     assert torch.equal(kc, ref_kc) and torch.equal(vc, ref_vc)
 
 
-def test_cuda_graph_capture_and_replay():
+@pytest.mark.parametrize("fused", [False, True], ids=["write_kv", "fused_kv"])
+def test_cuda_graph_capture_and_replay(fused):
     """The public entries capture into one graph; replay with new positions/slots = eager."""
     from epserve.kernels.kv_write import write_kv
     from epserve.kernels.norm import fused_add_rms_norm
@@ -142,8 +181,12 @@ def test_cuda_graph_capture_and_replay():
         q = qkv[:, :HQ * D].view(t, HQ, D)
         k = qkv[:, HQ * D:(HQ + HKV) * D].view(t, HKV, D)
         v = qkv[:, (HQ + HKV) * D:].view(t, HKV, D)
-        q, k = apply_qk_norm_rope(q, k, positions, cos, sin, qw, kw, 1e-6)
-        write_kv(k, v, kc, vc, slots)
+        if fused:
+            q, k = apply_qk_norm_rope(q, k, positions, cos, sin, qw, kw, 1e-6, v=v, k_cache=kc,
+                                      v_cache=vc, slot_mapping=slots)
+        else:
+            q, k = apply_qk_norm_rope(q, k, positions, cos, sin, qw, kw, 1e-6)
+            write_kv(k, v, kc, vc, slots)
         return new_res, q
 
     stream = torch.cuda.Stream()
@@ -189,6 +232,11 @@ def test_timing(t):
     kc = torch.zeros(NB, BS, HKV, D, device="cuda", dtype=BF)
     vc = torch.zeros_like(kc)
     slots = torch.randperm(NB * BS, device="cuda", generator=g)[:t]
+
+    def fused_ref():
+        _, rk = apply_qk_norm_rope_ref(q, k, positions, cos, sin, qw, kw)
+        write_kv_ref(rk, v, kc, vc, slots)
+
     cases = {
         "rms_norm": (lambda: rms_norm_triton(x, w, 1e-6), lambda: rms_norm_ref(x, w, 1e-6)),
         "fused_add_rms_norm": (lambda: fused_add_rms_norm_triton(x, res, w, 1e-6),
@@ -197,6 +245,10 @@ def test_timing(t):
                          lambda: apply_qk_norm_rope_ref(q, k, positions, cos, sin, qw, kw)),
         "write_kv": (lambda: write_kv_triton(k, v, kc, vc, slots),
                      lambda: write_kv_ref(k, v, kc, vc, slots)),
+        "qk_norm_rope+write_kv": (
+            lambda: qk_norm_rope_triton(q, k, positions, cos, sin, qw, kw, v=v, k_cache=kc,
+                                        v_cache=vc, slot_mapping=slots),
+            fused_ref),
     }
     for name, (tri, ref) in cases.items():
         us_tri, us_ref = _time_us(tri), _time_us(ref)

@@ -1,0 +1,210 @@
+"""q/k norm + rope with the paged KV write fused in (Triton interpreter on CPU) vs the refs.
+
+The definition is ``apply_qk_norm_rope_ref`` then ``write_kv_ref`` of the rotated k and v.
+Tolerances: q, k and the cache against that definition as test_norm_rope_kv_triton.py (fp32
+atol/rtol 1e-5, fp16 2e-3: the rotation may round differently by one ulp); the cache against
+``write_kv_ref`` of the kernel's own rotated k must be exact (a copy plus a dtype cast), and
+rows whose slot is not written (slot -1 padding, unused slots) must stay bit for bit.
+TRITON_INTERPRET=1 is set while the kernel module is imported (tests/interp.py) and, through an
+autouse fixture, while each test runs; the interpreted module is then dropped from sys.modules
+(the fixture puts it back per test) so a later CUDA import compiles it for real.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import sys
+
+import pytest
+
+if importlib.util.find_spec("triton") is None:
+    pytest.skip("triton is not installed", allow_module_level=True)
+
+from interp import import_interpreted  # noqa: E402
+
+_RT = "epserve.kernels.rope_triton"
+sys.modules.pop(_RT, None)
+rt = import_interpreted(_RT)
+sys.modules.pop(_RT, None)
+
+import torch  # noqa: E402
+
+from epserve.kernels.kv_write import write_kv_ref  # noqa: E402
+from epserve.kernels.rope import (apply_qk_norm_rope, apply_qk_norm_rope_ref,  # noqa: E402
+                                  build_rope_cache)
+
+assert rt._INTERPRETED
+
+TOL = {torch.float32: dict(atol=1e-5, rtol=1e-5), torch.float16: dict(atol=2e-3, rtol=2e-3)}
+DTYPES = pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=["fp32", "fp16"])
+OTHER = {torch.float32: torch.float16, torch.float16: torch.float32}  # a cache in another dtype
+
+
+@pytest.fixture(autouse=True)
+def _interpret(monkeypatch):
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    monkeypatch.setitem(sys.modules, _RT, rt)  # what apply_qk_norm_rope imports
+
+
+def _case(t, hq, hkv, d, dtype, cache_dtype, seed, nb=4, bs=4, layout="contiguous"):
+    """q, k, v: [T, H, D] views of one fused [T, (Hq + 2 Hkv) * D] projection, as Attention
+    makes them; caches [NB, BS, Hkv, D] (random, so unwritten rows are recognisable) in
+    ``layout``; slots distinct, a middle and the last row (T > 1) padded with -1."""
+    g = torch.Generator().manual_seed(seed)
+    cos, sin = build_rope_cache(d, 64, 10000.0)
+    positions = torch.randint(0, 64, (t,), generator=g)
+    qkv = torch.randn(t, (hq + 2 * hkv) * d, generator=g).to(dtype)
+    q = qkv[:, :hq * d].view(t, hq, d)
+    k = qkv[:, hq * d:(hq + hkv) * d].view(t, hkv, d)
+    v = qkv[:, (hq + hkv) * d:].view(t, hkv, d)
+    qw = (1 + 0.1 * torch.randn(d, generator=g)).to(dtype)
+    kw = (1 + 0.1 * torch.randn(d, generator=g)).to(dtype)
+    caches = []
+    for _ in range(2):
+        if layout == "heads_outer":  # [NB, Hkv, BS, D] storage seen as [NB, BS, Hkv, D]
+            c = torch.randn(nb, hkv, bs, d, generator=g).to(cache_dtype).transpose(1, 2)
+        elif layout == "padded":  # block, offset and head strides all larger than dense
+            c = torch.randn(nb + 1, bs, hkv + 1, d + 8, generator=g).to(cache_dtype)
+            c = c[1:, :, 1:, 8:]
+        else:
+            c = torch.randn(nb, bs, hkv, d, generator=g).to(cache_dtype)
+        caches.append(c)
+    slots = torch.randperm(nb * bs, generator=g)[:t]
+    if t > 1:
+        slots[t // 2] = -1
+        slots[-1] = -1
+    return qkv, q, k, v, positions, cos, sin, qw, kw, caches[0], caches[1], slots
+
+
+def _check_fused(q, k, v, pos, cos, sin, qw, kw, kc, vc, slots, dtype, call):
+    """Run ``call`` (fused, in place) and check it against the definition."""
+    v0, kc0, vc0 = v.clone(), kc.clone(), vc.clone()
+    ref_q, ref_k = apply_qk_norm_rope_ref(q, k, pos, cos, sin, qw, kw, 1e-6)
+    ref_kc, ref_vc = kc.clone(), vc.clone()
+    write_kv_ref(ref_k, v, ref_kc, ref_vc, slots)  # the definition
+    got_q, got_k = call(q, k, pos, cos, sin, qw, kw, 1e-6, v=v, k_cache=kc, v_cache=vc,
+                        slot_mapping=slots)
+    assert got_q is q and got_k is k  # in place
+    torch.testing.assert_close(q, ref_q, **TOL[dtype])
+    torch.testing.assert_close(k, ref_k, **TOL[dtype])
+    assert torch.equal(v, v0)  # v is only read
+    own_kc, own_vc = kc0.clone(), vc0.clone()
+    write_kv_ref(k, v, own_kc, own_vc, slots)  # the kernel's own rotated k: exact copy
+    assert torch.equal(kc, own_kc) and torch.equal(vc, own_vc)
+    torch.testing.assert_close(kc.float(), ref_kc.float(), **TOL[dtype])
+    assert torch.equal(vc, ref_vc)
+    nb, bs = kc.shape[:2]
+    untouched = torch.ones(nb * bs, dtype=torch.bool)
+    untouched[slots[slots >= 0]] = False
+    for c, c0 in ((kc, kc0), (vc, vc0)):
+        assert torch.equal(c.reshape(nb * bs, *c.shape[2:])[untouched],
+                           c0.reshape(nb * bs, *c.shape[2:])[untouched])
+
+
+@DTYPES
+@pytest.mark.parametrize("cache", ["same", "other"], ids=["cache_same", "cache_other_dtype"])
+@pytest.mark.parametrize("weights", [True, False], ids=["qk_norm", "no_qk_norm"])
+@pytest.mark.parametrize("shape", [(1, 4, 2, 16), (5, 6, 2, 32), (3, 2, 1, 24)],
+                         ids=lambda s: "T{}Hq{}Hkv{}D{}".format(*s))
+def test_fused_kv_write_matches_ref(shape, weights, cache, dtype):
+    cache_dtype = dtype if cache == "same" else OTHER[dtype]
+    _, q, k, v, pos, cos, sin, qw, kw, kc, vc, slots = _case(*shape, dtype, cache_dtype,
+                                                             seed=sum(shape))
+    if not weights:
+        qw = kw = None
+    _check_fused(q, k, v, pos, cos, sin, qw, kw, kc, vc, slots, dtype, rt.qk_norm_rope_triton)
+
+
+@pytest.mark.parametrize("layout", ["heads_outer", "padded"])
+def test_fused_kv_write_strided_caches(layout):
+    _, q, k, v, pos, cos, sin, qw, kw, kc, vc, slots = _case(6, 4, 2, 16, torch.float32,
+                                                             torch.float32, 31, layout=layout)
+    assert not kc.is_contiguous() and kc.stride(-1) == 1
+    _check_fused(q, k, v, pos, cos, sin, qw, kw, kc, vc, slots, torch.float32,
+                 rt.qk_norm_rope_triton)
+
+
+def test_fused_kv_public_entry_runs_the_kernel(monkeypatch):
+    """One call: the public entry hands the KV arguments to the kernel (int32 slots and
+    positions too), and does not run write_kv separately."""
+    _, q, k, v, pos, cos, sin, qw, kw, kc, vc, slots = _case(4, 4, 2, 16, torch.float16,
+                                                             torch.float16, 32)
+    calls, kernel = [], rt.qk_norm_rope_triton
+
+    def spy(*args, **kwargs):
+        calls.append(kwargs)
+        return kernel(*args, **kwargs)
+
+    monkeypatch.setattr(rt, "qk_norm_rope_triton", spy)
+    monkeypatch.setattr("epserve.kernels.rope.write_kv", lambda *a: pytest.fail("write_kv ran"))
+    _check_fused(q, k, v, pos.int(), cos, sin, qw, kw, kc, vc, slots.int(), torch.float16,
+                 apply_qk_norm_rope)
+    assert len(calls) == 1 and calls[0]["k_cache"] is kc and calls[0]["slot_mapping"] is not None
+
+
+def test_fused_kv_all_padding_writes_nothing():
+    _, q, k, v, pos, cos, sin, qw, kw, kc, vc, _ = _case(3, 4, 2, 16, torch.float32,
+                                                         torch.float32, 33)
+    kc0, vc0 = kc.clone(), vc.clone()
+    apply_qk_norm_rope(q, k, pos, cos, sin, qw, kw, v=v, k_cache=kc, v_cache=vc,
+                       slot_mapping=torch.full((3,), -1))
+    assert torch.equal(kc, kc0) and torch.equal(vc, vc0)
+    e = torch.empty(0, 4, 16)  # T = 0: no launch, nothing written
+    apply_qk_norm_rope(e, e[:, :2], pos[:0], cos, sin, v=e[:, :2], k_cache=kc, v_cache=vc,
+                       slot_mapping=pos[:0])
+    assert torch.equal(kc, kc0)
+
+
+@pytest.mark.parametrize("why", ["no_interpreter", "fp64_cache"])
+def test_fused_kv_reference_fallback(why, monkeypatch):
+    """Where the kernel does not run: the reference, then write_kv, give the definition."""
+    cache_dtype = torch.float64 if why == "fp64_cache" else torch.float32
+    if why == "no_interpreter":
+        monkeypatch.delenv("TRITON_INTERPRET")
+    monkeypatch.setattr(rt, "qk_norm_rope_triton", lambda *a, **kw: pytest.fail("kernel ran"))
+    _, q, k, v, pos, cos, sin, qw, kw, kc, vc, slots = _case(5, 4, 2, 16, torch.float32,
+                                                             cache_dtype, 34)
+    ref_q, ref_k = apply_qk_norm_rope_ref(q, k, pos, cos, sin, qw, kw)
+    ref_kc, ref_vc = kc.clone(), vc.clone()
+    write_kv_ref(ref_k, v, ref_kc, ref_vc, slots)
+    got_q, got_k = apply_qk_norm_rope(q, k, pos, cos, sin, qw, kw, v=v, k_cache=kc, v_cache=vc,
+                                      slot_mapping=slots)
+    assert got_q is q and got_k is k
+    assert torch.equal(q, ref_q) and torch.equal(k, ref_k)
+    assert torch.equal(kc, ref_kc) and torch.equal(vc, ref_vc)
+
+
+def test_fused_kv_bad_inputs():
+    _, q, k, v, pos, cos, sin, qw, kw, kc, vc, slots = _case(2, 4, 2, 16, torch.float32,
+                                                             torch.float32, 35)
+    full = dict(v=v, k_cache=kc, v_cache=vc, slot_mapping=slots)
+    for fn in (apply_qk_norm_rope, rt.qk_norm_rope_triton):
+        for missing in full:
+            partial = {n: x for n, x in full.items() if n != missing}
+            with pytest.raises(ValueError, match="all or none"):
+                fn(q, k, pos, cos, sin, qw, kw, **partial)
+        with pytest.raises(ValueError, match="all or none"):
+            fn(q, k, pos, cos, sin, v=v)
+        with pytest.raises(ValueError, match="must both be"):  # v not k's shape
+            fn(q, k, pos, cos, sin, **{**full, "v": v[:, :1]})
+        with pytest.raises(ValueError, match="caches"):  # wrong head count
+            fn(q, k, pos, cos, sin, **{**full, "k_cache": kc[:, :, :1], "v_cache": vc[:, :, :1]})
+        with pytest.raises(ValueError, match="caches"):  # k_cache and v_cache disagree
+            fn(q, k, pos, cos, sin, **{**full, "v_cache": vc[:2]})
+        with pytest.raises(ValueError, match="caches"):  # not [NB, BS, Hkv, D]
+            fn(q, k, pos, cos, sin, **{**full, "k_cache": kc[0], "v_cache": vc[0]})
+        with pytest.raises(ValueError, match="slot_mapping"):
+            fn(q, k, pos, cos, sin, **{**full, "slot_mapping": slots[:1]})
+    with pytest.raises(ValueError, match="got only k_cache, v_cache"):  # names what was given
+        apply_qk_norm_rope(q, k, pos, cos, sin, k_cache=kc, v_cache=vc)
+    # The kernel wrapper also checks what only it cares about.
+    with pytest.raises(ValueError, match="slot_mapping"):
+        rt.qk_norm_rope_triton(q, k, pos, cos, sin, **{**full, "slot_mapping": slots.float()})
+    with pytest.raises(ValueError, match="dtypes"):
+        rt.qk_norm_rope_triton(q, k, pos, cos, sin,
+                               **{**full, "k_cache": kc.double(), "v_cache": vc.double()})
+    with pytest.raises(ValueError, match="contiguous last dim"):
+        rt.qk_norm_rope_triton(q, k, pos, cos, sin,
+                               **{**full, "v": v.transpose(1, 2).contiguous().transpose(1, 2)})
+    # Nothing was written by any of the refused calls.
+    assert torch.equal(kc, _case(2, 4, 2, 16, torch.float32, torch.float32, 35)[9])
