@@ -8,7 +8,7 @@ timed by replays, so launch cost from Python is left out; above (prefill, eager 
 it is timed eagerly. Reports the effective weight bandwidth (bytes of the experts the routing
 touches, 3 * H * I * 2 each, / time) and, for large T, TFLOP/s.
 
-    python bench/moe_tiles.py [--tokens 1 256 8192]
+    python bench/moe_tiles.py [--tokens 1 256 8192] [--wide]
 """
 
 from __future__ import annotations
@@ -57,17 +57,23 @@ def time_ms(fn, graph: bool, iters: int = 20) -> float:
     return _events_ms(g.replay, iters)
 
 
-def gemm_space(t: int) -> list[tuple[int, int, int, int]]:
-    """(n, k, warps, stages) candidates for one GEMM at T tokens."""
-    ns = (16, 32, 64, 128) if t <= 256 else (64, 128, 256)
-    ks = (64, 128, 256) if t <= 256 else (32, 64, 128)
-    stages = (3, 5) if t <= 256 else (3, 4)
+def gemm_space(t: int, wide: bool) -> list[tuple[int, int, int, int]]:
+    """(n, k, warps, stages) candidates for one GEMM at T tokens (``wide``: a larger grid)."""
+    if t <= 256:
+        ns, ks, stages = (16, 32, 64, 128), (64, 128, 256), (3, 5)
+        if not wide:
+            ns, ks, stages = (16, 32, 64), (64, 128, 256), (4,)
+    else:
+        ns, ks, stages = (64, 128, 256), (32, 64, 128), (3, 4)
+        if not wide:
+            ns, ks = (64, 128), (32, 64)
     return list(itertools.product(ns, ks, (4, 8), stages))
 
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--tokens", type=int, nargs="+", default=[1, 256, 8192])
+    ap.add_argument("--wide", action="store_true", help="search more candidates per GEMM")
     args = ap.parse_args(argv)
     g = torch.Generator(device="cuda").manual_seed(0)
     w13 = (torch.randn(E, 2 * I, H, device="cuda", generator=g) / H ** 0.5).bfloat16()
@@ -101,7 +107,7 @@ def main(argv: list[str] | None = None) -> int:
             if ms < best_ms:
                 best, best_ms = cand, ms
         for gemm in ("1", "2"):  # coordinates 2 and 3: each GEMM's tile and launch shape
-            for n, k, w, s in gemm_space(t):
+            for n, k, w, s in gemm_space(t, args.wide):
                 cand = replace(best, **{f"block_n{gemm}": n, f"block_k{gemm}": k,
                                         f"warps{gemm}": w, f"stages{gemm}": s})
                 ms, tried = timed(cand), tried + 1
