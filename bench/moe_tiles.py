@@ -59,14 +59,14 @@ def time_ms(fn, graph: bool, iters: int = 20) -> float:
 
 def gemm_space(t: int, wide: bool) -> list[tuple[int, int, int, int]]:
     """(n, k, warps, stages) candidates for one GEMM at T tokens (``wide``: a larger grid)."""
-    if t <= 256:
-        ns, ks, stages = (16, 32, 64, 128), (64, 128, 256), (3, 5)
-        if not wide:
-            ns, ks, stages = (16, 32, 64), (64, 128, 256), (4,)
+    if t <= 16:  # weight streaming: narrow tiles, deep K
+        ns, ks, stages = (16, 32, 64), (64, 128, 256), (3, 5)
+    elif t <= 256:
+        ns, ks, stages = (64, 128, 256), (64, 128), (2, 4)
     else:
-        ns, ks, stages = (64, 128, 256), (32, 64, 128), (3, 4)
-        if not wide:
-            ns, ks = (64, 128), (32, 64)
+        ns, ks, stages = (64, 128, 256), (32, 64), (3, 4)
+    if wide:
+        ns, ks, stages = (16, 32, 64, 128, 256), (32, 64, 128, 256), (2, 3, 4, 5)
     return list(itertools.product(ns, ks, (4, 8), stages))
 
 
@@ -100,7 +100,7 @@ def main(argv: list[str] | None = None) -> int:
         base_ms = best_ms = timed(base)
         best = base
         tried = 1
-        bms = (16, 32, 64) if t <= 256 else (32, 64, 128)
+        bms = (16, 32, 64) if t <= 256 else (64, 128)
         for bm in bms:  # coordinate 1: block_m
             cand = replace(best, block_m=bm)
             ms, tried = timed(cand), tried + 1
