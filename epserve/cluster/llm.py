@@ -248,7 +248,7 @@ class LLM:
         wanted = {r.request_id for r in requests}
         try:
             while len(final) < len(requests) and self.engine.has_unfinished():
-                for out in self.engine.step():
+                for out in self.engine.step(finished_only=True):
                     if out.finished and out.request_id in wanted and out.request_id not in final:
                         final[out.request_id] = out
                         if bar is not None:

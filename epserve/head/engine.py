@@ -125,8 +125,11 @@ class Engine:
 
     # ------------------------------------------------------------------ the step
 
-    def step(self) -> list[RequestOutput]:
-        """Run one model step; the outputs of every request that changed in it."""
+    def step(self, finished_only: bool = False) -> list[RequestOutput]:
+        """Run one model step; the outputs of every request that changed in it (only of those
+        that finished in it with ``finished_only``: an offline batch reads nothing else, and
+        building a cumulative output per running request per step costs the host
+        O(prompt + output) each)."""
         plan = self.scheduler.schedule()
         touched: dict[str, Request] = {}
         for seq, reason in plan.failed:
@@ -145,7 +148,7 @@ class Engine:
                     self._fail_seq(seq, str(exc), touched)
             else:
                 self._apply(plan, result, touched)
-        return self._emit(touched)
+        return self._emit(touched, finished_only)
 
     def _apply(self, plan: StepPlan, result: MixedBatchResult, touched: dict[str, Request]) -> None:
         for seq, tok in zip(plan.decode, result.decode):
@@ -195,10 +198,11 @@ class Engine:
         seq.request.error = reason
         touched[seq.request.request_id] = seq.request
 
-    def _emit(self, touched: dict[str, Request]) -> list[RequestOutput]:
+    def _emit(self, touched: dict[str, Request], finished_only: bool) -> list[RequestOutput]:
         outs = []
         for req in touched.values():
-            outs.append(build_output(req, self.tokenizer))
+            if req.finished or not finished_only:
+                outs.append(build_output(req, self.tokenizer))
             if req.finished:
                 self.requests.pop(req.request_id, None)
                 for seq in req.seqs:

@@ -125,3 +125,19 @@ def test_tight_pool_with_prefix_hits_and_small_chunks_does_not_stall(qwen3_ckpt)
     th.join(timeout=120)
     assert not th.is_alive(), "generate stalled"
     _check_against_hf(qwen3_ckpt, prompts, box["outs"])
+
+
+def test_step_finished_only_reports_each_request_once_when_it_ends(qwen3_ckpt):
+    # what LLM.generate reads: no cumulative output of running requests, the same final ones
+    prompts = _prompts(seed=4)[:3]
+    llm = LLM(model=str(qwen3_ckpt), dtype="float32")
+    eng = llm.engine
+    ids = [eng.add_request(f"f{i}", p, _greedy()).request_id for i, p in enumerate(prompts)]
+    seen = []
+    while eng.has_unfinished():
+        outs = eng.step(finished_only=True)
+        assert all(o.finished for o in outs)
+        seen += outs
+    assert sorted(o.request_id for o in seen) == sorted(ids)
+    by_id = {o.request_id: o for o in seen}
+    _check_against_hf(qwen3_ckpt, prompts, [by_id[r] for r in ids])
