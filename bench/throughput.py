@@ -175,9 +175,9 @@ def run_epserve(cfg: dict, work: dict, args, dtype: str) -> list[Result]:
     steps = [0]
     real_step = llm.engine.step
 
-    def counted_step():
+    def counted_step(*args, **kwargs):
         steps[0] += 1
-        return real_step()
+        return real_step(*args, **kwargs)
 
     llm.engine.step = counted_step  # instance attribute: counts engine steps, nothing else
     forwards: list[tuple[int, int, float]] = []  # (decode rows, prefill tokens, seconds)
@@ -215,6 +215,8 @@ def run_epserve(cfg: dict, work: dict, args, dtype: str) -> list[Result]:
               f"at mean {sum(f[0] for f in dec) / max(len(dec), 1):.0f} rows; {len(mix)} with prefill, "
               f"{sum(f[2] for f in mix):.2f} s for {sum(f[1] for f in mix)} prompt tokens; "
               f"outside forwards {wall - sum(f[2] for f in forwards):.2f} s", flush=True)
+        print(f"[epserve {name}] forwards with prefill (decode rows, prompt tokens, ms): "
+              + ", ".join(f"({r}, {t}, {1e3 * s:.0f})" for r, t, s in mix), flush=True)
     llm.close()
     return results
 

@@ -7,7 +7,8 @@ ids; topk_weights [T, K]; ids outside ``[expert_offset, expert_offset + E)`` con
 Pipeline: ``moe_align`` (moe_align_triton.py) sorts the flat (token, k) pairs ``p = t * K + k`` by local expert and pads
 each expert's group to a multiple of ``block_m`` with the sentinel ``T * K``; GEMM 1 gathers rows
 ``x[p // K]`` and writes ``silu(gate) * up`` ([P, I], x.dtype, in sorted order); GEMM 2 reads that
-intermediate, multiplies by the routing weight and scatters float32 rows to ``y[p]``; the combine
+intermediate, multiplies by the routing weight and scatters rows in x.dtype to ``y[p]`` (each pair's
+weighted output rounded once, as the final cast would; half the bytes of float32 rows); the combine
 sums each token's local pairs of ``y`` (one launch, also the cast). Importing this module imports triton; kernels decorated while
 ``TRITON_INTERPRET=1`` is set run in the Triton interpreter (CPU tensors allowed).
 """
@@ -158,21 +159,36 @@ class MoeTiles:
                 f"s{self.stages1} | n{self.block_n2} k{self.block_k2} w{self.warps2} s{self.stages2}")
 
 
-def default_tiles(num_pairs: int, num_local: int, h: int, inter: int) -> MoeTiles:
+def default_tiles(num_pairs: int, num_local: int, h: int, inter: int,
+                  elem_bytes: int = 2) -> MoeTiles:
     """Tiles from the mean pairs per expert if routing were uniform (no sync). ``block_m``
     covers the mean plus three standard deviations (Poisson), so most experts fit one block
-    and their weights are streamed once; decode (a few rows per expert) only streams weights,
-    with 8 warps (one H200, 2026-12-03, bench/moe_tiles.py: T=1 twice as fast as 4 warps).
+    and their weights are streamed once. Per regime, the best of ``bench/moe_tiles.py`` at the
+    Qwen3-30B-A3B layer on one H200 (2026-12-03, bf16; see bench/RESULTS.md):
+    decode (<= 16 rows per expert, T=1: 33.5 -> 28.4 us), mid (T=256: 0.405 -> 0.399 ms) and
+    prefill (T=8192: 3.09 -> 2.43 ms). ``elem_bytes`` 4 (fp32) halves block_k so the
+    pipelined tiles still fit in shared memory.
     """
     avg = num_pairs / max(num_local, 1)
     want = avg + 3.0 * avg ** 0.5
-    bm = 16 if want <= 16 else (32 if want <= 32 else 64)
-    warps = 8 if bm == 16 else 4
-    return MoeTiles(block_m=bm, warps1=warps, warps2=warps,
-                    block_n1=min(64, max(16, triton.next_power_of_2(inter))),
-                    block_k1=min(64, max(16, triton.next_power_of_2(h))),
-                    block_n2=min(64, max(16, triton.next_power_of_2(h))),
-                    block_k2=min(64, max(16, triton.next_power_of_2(inter))))
+    if want <= 16:
+        bm, g1, g2 = 16, (64, 128, 4, 5), (64, 128, 4, 3)
+    elif want <= 64:
+        bm, g1, g2 = (32 if want <= 32 else 64), (128, 128, 8, 2), (128, 128, 4, 2)
+    else:
+        bm, g1, g2 = 64, (256, 64, 8, 3), (256, 32, 4, 4)
+
+    def fit(block: int, dim: int) -> int:
+        return min(block, max(16, triton.next_power_of_2(dim)))
+
+    def k_fit(block: int, dim: int) -> int:
+        return fit(max(16, block * 2 // max(elem_bytes, 2)), dim)
+
+    return MoeTiles(block_m=bm,
+                    block_n1=fit(g1[0], inter), block_k1=k_fit(g1[1], h), warps1=g1[2],
+                    stages1=g1[3],
+                    block_n2=fit(g2[0], h), block_k2=k_fit(g2[1], inter), warps2=g2[2],
+                    stages2=g2[3])
 
 
 def _launch(a, b, c, w, sorted_ids, block_expert, n, kd, num_slots, top_k, up_offset, block_m, *,
@@ -229,7 +245,7 @@ def fused_moe_triton(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_
     if t == 0 or top_k == 0 or e == 0:
         return torch.zeros((t, h), dtype=x.dtype, device=x.device)
     if tiles is None:
-        tiles = default_tiles(t * top_k, e, h, inter)
+        tiles = default_tiles(t * top_k, e, h, inter, x.element_size())
     over = {k: v for k, v in (("block_m", block_m), ("block_n1", block_n), ("block_n2", block_n),
                               ("block_k1", block_k), ("block_k2", block_k)) if v is not None}
     if over:
@@ -255,8 +271,8 @@ def fused_moe_triton(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_
             stages=tiles.stages1, a_by_pair=True, c_by_pair=False, fuse_silu=True,
             mul_weight=False, pair_blocks=pair_blocks, expert_offset=expert_offset, num_local=e)
 
-    # GEMM 2: intermediate @ w2[e]^T * weight -> y[p] (float32); non-local rows stay unwritten.
-    y = torch.empty((num_slots, h), dtype=torch.float32, device=x.device)
+    # GEMM 2: intermediate @ w2[e]^T * weight -> y[p] (x.dtype); non-local rows stay unwritten.
+    y = torch.empty((num_slots, h), dtype=x.dtype, device=x.device)
     _launch(inter_buf, w2, y, weights, sorted_ids, block_expert, h, inter, num_slots, top_k,
             0, block_m, block_n=tiles.block_n2, block_k=tiles.block_k2, warps=tiles.warps2,
             stages=tiles.stages2, a_by_pair=False, c_by_pair=True, fuse_silu=False,
