@@ -19,6 +19,7 @@ wall time runs from submission to the last token. "mean step ms" = wall / engine
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import gc
 import json
@@ -151,6 +152,27 @@ def run_transformers(cfg: dict, work: dict, args, dtype: torch.dtype) -> list[Re
     return results
 
 
+@contextlib.contextmanager
+def _compile_log(name: str, t0: float):
+    """Print every Triton kernel compiled (or loaded from the disk cache) inside the block: a
+    timed run should compile nothing, the warm-up and graph capture having seen every shape."""
+    try:
+        from triton import knobs
+    except ImportError:  # no triton: nothing compiles
+        yield
+        return
+
+    def hook(*, repr, **_):  # noqa: A002 - the hook's keyword
+        print(f"[epserve {name}] Triton compile at +{time.perf_counter() - t0:.2f} s: "
+              f"{repr[:300]}", flush=True)
+
+    old, knobs.runtime.jit_cache_hook = knobs.runtime.jit_cache_hook, hook
+    try:
+        yield
+    finally:
+        knobs.runtime.jit_cache_hook = old
+
+
 def run_epserve(cfg: dict, work: dict, args, dtype: str) -> list[Result]:
     from epserve import LLM, SamplingParams
 
@@ -202,7 +224,8 @@ def run_epserve(cfg: dict, work: dict, args, dtype: str) -> list[Result]:
         forwards.clear()
         sync(args.device)
         t0 = time.perf_counter()
-        outs = llm.generate(ps, sp)
+        with _compile_log(name, t0):
+            outs = llm.generate(ps, sp)
         sync(args.device)
         wall = time.perf_counter() - t0
         got = [len(o.outputs[0].token_ids) for o in outs]

@@ -36,7 +36,7 @@ ALIGN_IN_KERNEL_MAX_PAIRS = 4096
 PAIR_BLOCKS_MAX_PAIRS = 16
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["num_slots"])  # T * K varies per step: one compile
 def _moe_gemm_kernel(a_ptr, b_ptr, c_ptr, w_ptr, sorted_ids_ptr, block_expert_ptr,
                      num_slots, top_k, up_offset, expert_offset, num_local,
                      stride_am, stride_ak, stride_be, stride_bn, stride_bk, stride_cm, stride_cn,

@@ -59,7 +59,7 @@ def _expert_hits(ids_ptr, offs, n, expert_offset, num_local, experts):
     return ((e[:, None] == experts[None, :]) & valid[:, None]).to(tl.int32), valid
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["n", "num_blocks"])  # vary with T: one compile
 def _moe_align_kernel(ids_ptr, sorted_ptr, block_expert_ptr, n, num_local, expert_offset,
                       num_blocks, BLOCK_M: tl.constexpr, E_P: tl.constexpr, CHUNK: tl.constexpr):
     """One program: count per expert, place blocks, fill sentinels, scatter pairs in order.

@@ -42,7 +42,7 @@ def _decode_tile(q, k_ptr, v_ptr, bt_row, start, seq_len, lo, kvh, m_i, l_i, acc
     return m_new, l_i, acc
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["stride_bts"])  # table width varies per eager step
 def _paged_decode_kernel(
     q_ptr, k_ptr, v_ptr, bt_ptr, sl_ptr, o_ptr,
     stride_qs, stride_qh, stride_os, stride_oh, stride_bts,

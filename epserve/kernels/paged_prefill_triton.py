@@ -86,7 +86,9 @@ def _kv_phase(q, k_ptr, v_ptr, bt_row, lo, hi, end, q_pos, kvh, window, m_i, l_i
     return m_i, l_i, acc
 
 
-@triton.jit
+# The block-table width varies per step: no divisibility specialization (one compile, not one
+# per width class met mid-run).
+@triton.jit(do_not_specialize=["stride_bts"])
 def _paged_prefill_kernel(
     q_ptr, k_ptr, v_ptr, bt_ptr, map_ptr, o_ptr,
     stride_qt, stride_qh, stride_ot, stride_oh, stride_bts,

@@ -26,7 +26,7 @@ _DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 _TILE_ELEMS = 1024  # BLOCK_T * BLOCK_E per program
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["num_tokens"])  # varies per step: one compile
 def _topk_softmax_kernel(logits_ptr, ids_ptr, weights_ptr, num_tokens, num_experts, stride_t,
                          TOP_K: tl.constexpr, RENORMALIZE: tl.constexpr, BLOCK_T: tl.constexpr,
                          BLOCK_E: tl.constexpr, BLOCK_K: tl.constexpr):
