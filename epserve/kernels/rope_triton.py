@@ -14,12 +14,18 @@ With ``v``, ``k_cache``, ``v_cache`` and ``slot_mapping`` given, the same launch
 slot ``slot_mapping[t]`` cast to the cache dtype; a row with slot < 0 (CUDA-graph padding)
 writes nothing. Valid slots must be ``< NB * BS`` and distinct (not checked: device data).
 
-Grid: one program per (token, head) over the ``Hq + Hkv`` heads of q then k, so a decode step
-of T tokens is a single launch. Each program reads its head's two halves, then overwrites them;
-heads never overlap, so the in-place update is race free; a k head's program also writes that
-head's K and V cache rows. q, k and v may be strided views (e.g. slices of one fused qkv
-projection output viewed as [T, H, D]): any token (row) stride and head stride, last dim
-contiguous; the caches need a contiguous last dim (block, offset and head strides free).
+Grid: one program per BLOCK_R consecutive (token, head) rows of k, then of q (a program never
+mixes the two tensors; its rows may span tokens, and the last one may run past T, masked), so
+any step is a single launch. BLOCK_R and the warps are picked on the host from T * (Hq + Hkv)
+and D alone (``_pick_tile``; no device reads, fixed per CUDA-graph size): 8 heads of D=128 on 2
+warps for decode-sized steps, 16 on 4 warps for long prefills, where one tiny program per
+(token, head) left the GPU short of loads in flight (block-count bound, ~4x below bandwidth).
+The reduction order of the sum of squares may differ with the tile; every cast point is as
+above. Each program reads its rows' two halves, then overwrites them; rows never overlap, so
+the in-place update is race free; a k program also writes its rows' K and V cache rows. q, k
+and v may be strided views (e.g. slices of one fused qkv projection output viewed as
+[T, H, D]): any token (row) stride and head stride, last dim contiguous; the caches need a
+contiguous last dim (block, offset and head strides free).
 CUDA-graph capturable: no host syncs, no allocation; the padding skip is a store mask.
 """
 
@@ -35,25 +41,27 @@ _DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 
 
 @triton.jit
-def _norm_rope_head(ptr, w_ptr, cos, sin, offs, mask, eps, HALF, HAS_W: tl.constexpr):
-    """Normalise (when HAS_W) and rotate the D = 2 * HALF values at ``ptr``, in place. Returns
-    the two stored halves (in the input dtype)."""
-    x1 = tl.load(ptr + offs, mask=mask, other=0.0)
-    x2 = tl.load(ptr + HALF + offs, mask=mask, other=0.0)
+def _norm_rope_rows(ptrs, w_ptr, cos, sin, offs, live, eps, HALF, HAS_W: tl.constexpr):
+    """Normalise (when HAS_W) and rotate the rows of D = 2 * HALF values whose first halves
+    start at ``ptrs`` ([R, HALF_P] pointers), in place, lanes outside ``live`` untouched.
+    Returns the two stored halves ([R, HALF_P], the input dtype)."""
+    x1 = tl.load(ptrs, mask=live, other=0.0)
+    x2 = tl.load(ptrs + HALF, mask=live, other=0.0)
     dtype = x1.dtype
     a = x1.to(tl.float32)
     b = x2.to(tl.float32)
     if HAS_W:
-        mean_sq = (tl.sum(a * a, axis=0) + tl.sum(b * b, axis=0)) / (2 * HALF)
-        rstd = tl.rsqrt(mean_sq + eps)
-        w1 = tl.load(w_ptr + offs, mask=mask, other=0.0).to(tl.float32)
-        w2 = tl.load(w_ptr + HALF + offs, mask=mask, other=0.0).to(tl.float32)
+        mean_sq = (tl.sum(a * a, axis=1) + tl.sum(b * b, axis=1)) / (2 * HALF)
+        rstd = tl.rsqrt(mean_sq + eps)[:, None]
+        wmask = offs < HALF
+        w1 = tl.load(w_ptr + offs, mask=wmask, other=0.0).to(tl.float32)[None, :]
+        w2 = tl.load(w_ptr + HALF + offs, mask=wmask, other=0.0).to(tl.float32)[None, :]
         a = (w1 * (a * rstd).to(dtype).to(tl.float32)).to(dtype).to(tl.float32)
         b = (w2 * (b * rstd).to(dtype).to(tl.float32)).to(dtype).to(tl.float32)
     o1 = (a * cos - b * sin).to(dtype)
     o2 = (b * cos + a * sin).to(dtype)
-    tl.store(ptr + offs, o1, mask=mask)
-    tl.store(ptr + HALF + offs, o2, mask=mask)
+    tl.store(ptrs, o1, mask=live)
+    tl.store(ptrs + HALF, o2, mask=live)
     return o1, o2
 
 
@@ -61,45 +69,78 @@ def _norm_rope_head(ptr, w_ptr, cos, sin, offs, mask, eps, HALF, HAS_W: tl.const
 def _qk_norm_rope_kernel(q_ptr, k_ptr, pos_ptr, cos_ptr, sin_ptr, qw_ptr, kw_ptr,
                          v_ptr, kc_ptr, vc_ptr, slot_ptr,
                          stride_qt, stride_qh, stride_kt, stride_kh, stride_pos,
-                         stride_cos, stride_sin, num_q_heads, HALF, eps,
+                         stride_cos, stride_sin, num_q_heads, num_kv_heads, num_k_programs,
+                         HALF, eps,
                          stride_vt, stride_vh, stride_slot, block_size,
                          stride_kcb, stride_kco, stride_kch, stride_vcb, stride_vco, stride_vch,
-                         HALF_P: tl.constexpr, HAS_QW: tl.constexpr, HAS_KW: tl.constexpr,
-                         WRITE_KV: tl.constexpr):
-    t = tl.program_id(0).to(tl.int64)
-    h = tl.program_id(1)
+                         num_tokens, BLOCK_R: tl.constexpr, HALF_P: tl.constexpr,
+                         HAS_QW: tl.constexpr, HAS_KW: tl.constexpr, WRITE_KV: tl.constexpr):
+    # Programs [0, num_k_programs) take BLOCK_R consecutive (token, head) rows of k (token-major,
+    # so rows of one token are adjacent in memory), the rest BLOCK_R rows of q: a program never
+    # mixes the two tensors. The k programs (which also move v and both cache rows) go first.
+    pid = tl.program_id(0)
+    is_k = pid < num_k_programs
+    heads = tl.where(is_k, num_kv_heads, num_q_heads)
+    blk_id = tl.where(is_k, pid, pid - num_k_programs)
+    g = blk_id * BLOCK_R + tl.arange(0, BLOCK_R)  # row index over T * heads (int32)
+    t = g // heads
+    h = g - t * heads
+    valid = t < num_tokens
     offs = tl.arange(0, HALF_P)
-    mask = offs < HALF
-    pos = tl.load(pos_ptr + t * stride_pos).to(tl.int64)
-    cos = tl.load(cos_ptr + pos * stride_cos + offs, mask=mask, other=0.0).to(tl.float32)
-    sin = tl.load(sin_ptr + pos * stride_sin + offs, mask=mask, other=0.0).to(tl.float32)
-    if h < num_q_heads:
-        _norm_rope_head(q_ptr + t * stride_qt + h * stride_qh, qw_ptr, cos, sin, offs, mask,
-                        eps, HALF, HAS_QW)
-    else:
-        kh = (h - num_q_heads).to(tl.int64)
-        k1, k2 = _norm_rope_head(k_ptr + t * stride_kt + kh * stride_kh, kw_ptr, cos, sin, offs,
-                                 mask, eps, HALF, HAS_KW)
+    # Lanes in range: a row past the end, or the padding lanes of HALF_P, touch nothing. The row
+    # condition is folded into an integer bound (no bool tensor built from a scalar).
+    live = offs[None, :] < tl.where(valid, HALF, 0)[:, None]
+    t64 = t.to(tl.int64)
+    h64 = h.to(tl.int64)
+    pos = tl.load(pos_ptr + t64 * stride_pos, mask=valid, other=0).to(tl.int64)
+    cos = tl.load(cos_ptr + pos[:, None] * stride_cos + offs[None, :], mask=live,
+                  other=0.0).to(tl.float32)
+    sin = tl.load(sin_ptr + pos[:, None] * stride_sin + offs[None, :], mask=live,
+                  other=0.0).to(tl.float32)
+    if is_k:
+        kptrs = k_ptr + (t64 * stride_kt + h64 * stride_kh)[:, None] + offs[None, :]
+        k1, k2 = _norm_rope_rows(kptrs, kw_ptr, cos, sin, offs, live, eps, HALF, HAS_KW)
         if WRITE_KV:
-            slot = tl.load(slot_ptr + t * stride_slot).to(tl.int64)
-            # slot < 0 (padding): no element is in range. A scalar bool in a tensor mask is
-            # refused by newer Triton interpreters, so the skip is folded into the integer bound.
-            live = offs < tl.where(slot >= 0, HALF, 0)
+            slot = tl.load(slot_ptr + t64 * stride_slot, mask=valid, other=-1).to(tl.int64)
+            # slot < 0 (padding) or a row past the end: no element is in range. Folded into
+            # the integer bound, as above (newer interpreters refuse a scalar bool in a mask).
+            kv_live = offs[None, :] < tl.where(slot >= 0, HALF, 0)[:, None]
             blk = slot // block_size
             off = slot % block_size
-            kc = kc_ptr + blk * stride_kcb + off * stride_kco + kh * stride_kch
-            tl.store(kc + offs, k1.to(kc_ptr.dtype.element_ty), mask=live)
-            tl.store(kc + HALF + offs, k2.to(kc_ptr.dtype.element_ty), mask=live)
-            vrow = v_ptr + t * stride_vt + kh * stride_vh
-            v1 = tl.load(vrow + offs, mask=live, other=0.0)
-            v2 = tl.load(vrow + HALF + offs, mask=live, other=0.0)
-            vc = vc_ptr + blk * stride_vcb + off * stride_vco + kh * stride_vch
-            tl.store(vc + offs, v1.to(vc_ptr.dtype.element_ty), mask=live)
-            tl.store(vc + HALF + offs, v2.to(vc_ptr.dtype.element_ty), mask=live)
+            kc = (kc_ptr + (blk * stride_kcb + off * stride_kco + h64 * stride_kch)[:, None]
+                  + offs[None, :])
+            tl.store(kc, k1.to(kc_ptr.dtype.element_ty), mask=kv_live)
+            tl.store(kc + HALF, k2.to(kc_ptr.dtype.element_ty), mask=kv_live)
+            vrow = v_ptr + (t64 * stride_vt + h64 * stride_vh)[:, None] + offs[None, :]
+            v1 = tl.load(vrow, mask=kv_live, other=0.0)
+            v2 = tl.load(vrow + HALF, mask=kv_live, other=0.0)
+            vc = (vc_ptr + (blk * stride_vcb + off * stride_vco + h64 * stride_vch)[:, None]
+                  + offs[None, :])
+            tl.store(vc, v1.to(vc_ptr.dtype.element_ty), mask=kv_live)
+            tl.store(vc + HALF, v2.to(vc_ptr.dtype.element_ty), mask=kv_live)
+    else:
+        qptrs = q_ptr + (t64 * stride_qt + h64 * stride_qh)[:, None] + offs[None, :]
+        _norm_rope_rows(qptrs, qw_ptr, cos, sin, offs, live, eps, HALF, HAS_QW)
 
 
 # triton.jit picks the interpreter from TRITON_INTERPRET when this module is imported.
 _INTERPRETED = type(_qk_norm_rope_kernel).__name__ == "InterpretedFunction"
+
+
+# Tile: BLOCK_R (token, head) rows of one tensor per program, sized by elements per half-row
+# tile (BLOCK_R * HALF_P), 8 per thread (one 16-byte vector of a 16-bit dtype, two of fp32).
+# Small steps (decode, up to a few hundred tokens) take 512 elements: 8 heads of D=128 on 2
+# warps, so T=1 at 32 + 4 heads is 4 + 1 programs and a T=256 step still fills the GPU. From
+# _LARGE_MIN_ROWS (token, head) rows on (T >= 456 at 32 + 4 heads) 1024: 16 heads on 4 warps.
+_SMALL_ELEMS, _LARGE_ELEMS, _LARGE_MIN_ROWS, _MAX_ROWS = 512, 1024, 16384, 32
+
+
+def _pick_tile(rows: int, half_p: int) -> tuple[int, int]:
+    """(BLOCK_R, num_warps) for ``rows`` = T * (Hq + Hkv) and the padded half head_dim; a pure
+    function of the shapes (no device reads), so each CUDA-graph size gets one fixed tile."""
+    elems = _LARGE_ELEMS if rows >= _LARGE_MIN_ROWS else _SMALL_ELEMS
+    block_r = max(1, min(_MAX_ROWS, elems // half_p))
+    return block_r, max(1, min(8, block_r * half_p // 256))
 
 
 def qk_norm_rope_triton(q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor,
@@ -161,6 +202,8 @@ def qk_norm_rope_triton(q: torch.Tensor, k: torch.Tensor, positions: torch.Tenso
     hkv = k.shape[1]
     if t == 0 or hq + hkv == 0 or d == 0:
         return q, k
+    if t * max(hq, hkv) >= 2**31 - _MAX_ROWS:  # the kernel indexes (token, head) rows in int32
+        raise ValueError(f"{name}: {t} tokens x {max(hq, hkv)} heads is too many rows")
     half = d // 2
     qw = q_weight.contiguous() if q_weight is not None else q
     kw = k_weight.contiguous() if k_weight is not None else k
@@ -171,11 +214,15 @@ def qk_norm_rope_triton(q: torch.Tensor, k: torch.Tensor, positions: torch.Tenso
     else:  # unused by the kernel (WRITE_KV=False): placeholders of the right kinds
         kv_ptrs = (k, k, k, positions)
         kv_strides = (0, 0, 0, 1, 0, 0, 0, 0, 0, 0)
-    _qk_norm_rope_kernel[(t, hq + hkv)](
+    half_p = triton.next_power_of_2(half)
+    block_r, num_warps = _pick_tile(t * (hq + hkv), half_p)
+    n_k = triton.cdiv(t * hkv, block_r)
+    grid = (n_k + triton.cdiv(t * hq, block_r),)
+    _qk_norm_rope_kernel[grid](
         q, k, positions, cos_cache, sin_cache, qw, kw, *kv_ptrs,
         q.stride(0), q.stride(1), k.stride(0), k.stride(1), positions.stride(0),
-        cos_cache.stride(0), sin_cache.stride(0), hq, half, float(eps), *kv_strides,
-        HALF_P=triton.next_power_of_2(half), HAS_QW=q_weight is not None,
-        HAS_KW=k_weight is not None, WRITE_KV=with_kv, num_warps=1 if half <= 64 else 2,
+        cos_cache.stride(0), sin_cache.stride(0), hq, hkv, n_k, half, float(eps), *kv_strides, t,
+        BLOCK_R=block_r, HALF_P=half_p, HAS_QW=q_weight is not None,
+        HAS_KW=k_weight is not None, WRITE_KV=with_kv, num_warps=num_warps,
         enable_fp_fusion=False)  # products rounded before the add/sub, as torch's eager ops
     return q, k

@@ -208,3 +208,102 @@ def test_fused_kv_bad_inputs():
                                **{**full, "v": v.transpose(1, 2).contiguous().transpose(1, 2)})
     # Nothing was written by any of the refused calls.
     assert torch.equal(kc, _case(2, 4, 2, 16, torch.float32, torch.float32, 35)[9])
+
+
+# --------------------------------------------------------------------------- tiling
+# A program takes BLOCK_R consecutive (token, head) rows of q or of k (never both); the tile is
+# picked from the shapes on the host. These force small tiles on small shapes so that tiles
+# straddle tokens, head counts are not multiples of the tile and the last tile runs past T.
+
+
+def test_tile_choice():
+    """Qwen3-30B-A3B (32 + 4 heads, D=128): 8 heads on 2 warps while decoding, 16 heads on 4
+    warps for a long prefill; fewer, fatter programs than one per (token, head)."""
+    assert rt._pick_tile(1 * 36, 64) == (8, 2)
+    assert rt._pick_tile(256 * 36, 64) == (8, 2)
+    assert rt._pick_tile(8192 * 36, 64) == (16, 4)
+    assert rt._pick_tile(8192 * 36, 128) == (8, 4)  # D=256: as many elements per program
+    assert rt._pick_tile(1, 8) == (32, 1)  # tiny heads: capped rows
+    assert rt._pick_tile(10**6, 4096) == (1, 8)  # huge heads: one row, capped warps
+
+
+def _gappy_case(t, hq, hkv, d, dtype, seed):
+    """q, k, v as strided views of one buffer with gaps everywhere: every other token row (plus
+    two spare rows past the last token), every other head slot, 8 leading dims before each
+    head. Returns (base, q, k, v)."""
+    g = torch.Generator().manual_seed(seed)
+    h = hq + 2 * hkv
+    base = torch.randn(2 * t + 2, h, 2, d + 8, generator=g).to(dtype)
+    heads = base[:2 * t:2, :, 1, 8:]  # [T, H, D]: token stride 2*H*2*(D+8), head stride 2*(D+8)
+    return base, heads[:, :hq], heads[:, hq:hq + hkv], heads[:, hq + hkv:]
+
+
+@DTYPES
+@pytest.mark.parametrize("block_r", [1, 2, 4, 8, 16])
+@pytest.mark.parametrize("shape", [(7, 6, 3, 32), (9, 5, 2, 24), (3, 1, 1, 16), (2, 12, 5, 8)],
+                         ids=lambda s: "T{}Hq{}Hkv{}D{}".format(*s))
+def test_tiled_fused_matches_ref(shape, block_r, dtype, monkeypatch):
+    """Forced tiles over fused-qkv views (strided), padded slots, a cache of another dtype."""
+    monkeypatch.setattr(rt, "_pick_tile", lambda rows, half_p: (block_r, 1))
+    _, q, k, v, pos, cos, sin, qw, kw, kc, vc, slots = _case(*shape, dtype, OTHER[dtype],
+                                                             seed=sum(shape) + block_r,
+                                                             nb=8, bs=4)
+    _check_fused(q, k, v, pos, cos, sin, qw, kw, kc, vc, slots, dtype, rt.qk_norm_rope_triton)
+
+
+@pytest.mark.parametrize("block_r", [2, 8, 32])
+@pytest.mark.parametrize("weights", [True, False], ids=["qk_norm", "no_qk_norm"])
+@pytest.mark.parametrize("kv", [True, False], ids=["fused_kv", "no_kv"])
+def test_tiled_gappy_views(kv, weights, block_r, monkeypatch):
+    """q, k, v with token and head strides unlike dense, int32 positions and slots: every
+    element outside q and k (the gaps, v, the spare rows past T) stays bit for bit."""
+    monkeypatch.setattr(rt, "_pick_tile", lambda rows, half_p: (block_r, 1))
+    t, hq, hkv, d = 5, 7, 3, 16
+    base, q, k, v = _gappy_case(t, hq, hkv, d, torch.float32, seed=40 + block_r)
+    *_, pos, cos, sin, qw, kw, kc, vc, slots = _case(t, hq, hkv, d, torch.float32,
+                                                     torch.float32, seed=41, nb=4, bs=4)
+    if not weights:
+        qw = kw = None
+    written = torch.zeros_like(base, dtype=torch.bool)
+    written[:2 * t:2, :hq + hkv, 1, 8:] = True
+    base0 = base.clone()
+    if kv:
+        _check_fused(q, k, v, pos.int(), cos, sin, qw, kw, kc, vc, slots.int(), torch.float32,
+                     rt.qk_norm_rope_triton)
+    else:
+        ref_q, ref_k = apply_qk_norm_rope_ref(q, k, pos, cos, sin, qw, kw, 1e-6)
+        rt.qk_norm_rope_triton(q, k, pos.int(), cos, sin, qw, kw, 1e-6)
+        torch.testing.assert_close(q, ref_q, **TOL[torch.float32])
+        torch.testing.assert_close(k, ref_k, **TOL[torch.float32])
+    assert torch.equal(base[~written], base0[~written])
+
+
+@pytest.mark.parametrize("regime", ["small", "large"])
+@pytest.mark.parametrize("t", [1, 3, 17])
+def test_real_tiles_head_dim_128(t, regime, monkeypatch):
+    """The tiles _pick_tile really picks at D=128 (8 and 16 rows), with Hq=12 and Hkv=3 (not
+    multiples of either), T=1 (the k tile mostly past T), all rows padded but two."""
+    if regime == "large":
+        monkeypatch.setattr(rt, "_LARGE_MIN_ROWS", 0)
+    assert rt._pick_tile(t * 15, 64)[0] == (16 if regime == "large" else 8)
+    _, q, k, v, pos, cos, sin, qw, kw, kc, vc, _ = _case(t, 12, 3, 128, torch.float16,
+                                                         torch.float16, seed=50 + t, nb=8, bs=4)
+    slots = torch.full((t,), -1)
+    slots[0] = 9
+    slots[-1] = 30 if t > 1 else 9
+    _check_fused(q, k, v, pos, cos, sin, qw, kw, kc, vc, slots, torch.float16,
+                 rt.qk_norm_rope_triton)
+
+
+def test_tiled_q_or_k_without_heads(monkeypatch):
+    """Hkv = 0 (no k programs) or Hq = 0 (only k programs): the other tensor alone is done."""
+    monkeypatch.setattr(rt, "_pick_tile", lambda rows, half_p: (4, 1))
+    for hq, hkv in ((5, 0), (0, 3)):
+        q, k = torch.randn(6, hq, 16), torch.randn(6, hkv, 16)
+        pos = torch.randint(0, 64, (6,))
+        cos, sin = build_rope_cache(16, 64, 10000.0)
+        qw, kw = torch.rand(16) + 0.5, torch.rand(16) + 0.5
+        ref_q, ref_k = apply_qk_norm_rope_ref(q, k, pos, cos, sin, qw, kw, 1e-6)
+        rt.qk_norm_rope_triton(q, k, pos, cos, sin, qw, kw, 1e-6)
+        torch.testing.assert_close(q, ref_q, **TOL[torch.float32])
+        torch.testing.assert_close(k, ref_k, **TOL[torch.float32])
