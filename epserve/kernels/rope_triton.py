@@ -65,7 +65,9 @@ def _norm_rope_rows(ptrs, w_ptr, cos, sin, offs, live, eps, HALF, HAS_W: tl.cons
     return o1, o2
 
 
-@triton.jit
+# T and the k-program count change every step: no ==1 / multiple-of-16 specialization, so each
+# tile compiles once (not once per class of T met mid-run).
+@triton.jit(do_not_specialize=["num_k_programs", "num_tokens"])
 def _qk_norm_rope_kernel(q_ptr, k_ptr, pos_ptr, cos_ptr, sin_ptr, qw_ptr, kw_ptr,
                          v_ptr, kc_ptr, vc_ptr, slot_ptr,
                          stride_qt, stride_qh, stride_kt, stride_kh, stride_pos,

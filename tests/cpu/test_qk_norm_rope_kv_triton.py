@@ -307,3 +307,17 @@ def test_tiled_q_or_k_without_heads(monkeypatch):
         rt.qk_norm_rope_triton(q, k, pos, cos, sin, qw, kw, 1e-6)
         torch.testing.assert_close(q, ref_q, **TOL[torch.float32])
         torch.testing.assert_close(k, ref_k, **TOL[torch.float32])
+
+
+def test_per_step_ints_not_specialized(monkeypatch):
+    """T and the k-program count vary per step: the compiled kernel must not specialize on them
+    (== 1, multiple of 16), or a new class of T met mid-run would compile again. Checked on a
+    private, non-interpreted copy of the module (defining kernels needs no GPU)."""
+    monkeypatch.delenv("TRITON_INTERPRET")
+    spec = importlib.util.find_spec(_RT)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    assert not mod._INTERPRETED
+    kernel = mod._qk_norm_rope_kernel
+    assert {p.name for p in kernel.params if p.do_not_specialize} == {"num_k_programs",
+                                                                       "num_tokens"}
