@@ -122,30 +122,35 @@ def build_step_inputs(decode_tokens: Sequence[int], decode_seqs: Sequence[Sequen
             sampled_prefill.append(r)
     width = -(-max(seq_lens) // bs)
     # Two host buffers, one copy each (pinned + non-blocking on CUDA): int64 ids | positions |
-    # slots | sample index, and int32 seq_lens | block tables.
+    # slots | sample index, and int32 seq_lens | block tables. Every section starts 16-byte
+    # aligned: Triton specializes kernels on pointer alignment, so a section whose alignment
+    # changed with the row count would compile a new kernel variant in the middle of a run.
     n, ns, nr = len(ids), len(seq_lens), len(sample_index)
+    n2, ns4 = n + n % 2, -(-ns // 4) * 4
+    pad64 = [0] * (n2 - n)
     pin = device.type == "cuda"
-    h64 = torch.frombuffer(array.array("q", ids + pos + slots + sample_index), dtype=torch.int64)
-    h32 = torch.empty(ns + ns * width, dtype=torch.int32, pin_memory=pin)
+    h64 = torch.frombuffer(array.array("q", ids + pad64 + pos + pad64 + slots + pad64
+                                       + sample_index), dtype=torch.int64)
+    h32 = torch.empty(ns4 + ns * width, dtype=torch.int32, pin_memory=pin)
     h32[:ns] = torch.frombuffer(array.array("i", seq_lens), dtype=torch.int32)
-    torch.index_select(tables.table[:, :width], 0, slot_t, out=h32[ns:].view(ns, width))
+    torch.index_select(tables.table[:, :width], 0, slot_t, out=h32[ns4:].view(ns, width))
     if pin:
         h64 = h64.pin_memory()
     d64 = h64.to(device, non_blocking=pin)
     d32 = h32.to(device, non_blocking=pin)
     meta = AttentionMetadata(
-        slot_mapping=d64[2 * n:3 * n],
+        slot_mapping=d64[2 * n2:2 * n2 + n],
         query_start_loc=tuple(qsl),
         seq_lens=tuple(seq_lens),
-        block_tables=d32[ns:].view(ns, width),
+        block_tables=d32[ns4:].view(ns, width),
         block_size=bs,
         seq_lens_t=d32[:ns] if not prefill_rows else None,
     )
     return StepInputs(
         input_ids=d64[:n],
-        positions=d64[n:2 * n],
+        positions=d64[n2:n2 + n],
         meta=meta,
-        sample_index=d64[3 * n:3 * n + nr],
+        sample_index=d64[3 * n2:3 * n2 + nr],
         decode_tokens=decode_tokens, decode_seqs=decode_seqs, prefill_rows=prefill_rows,
         sampled_prefill=tuple(sampled_prefill),
     )
