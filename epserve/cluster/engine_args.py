@@ -87,7 +87,8 @@ class EngineArgs:
             num_kv_blocks=self.num_kv_blocks, max_num_seqs=self.max_num_seqs,
             enable_prefix_caching=self.enable_prefix_caching, load_format=self.load_format,
             seed=self.seed, gpu_memory_utilization=float(self.gpu_memory_utilization),
-            enforce_eager=bool(self.enforce_eager))
+            enforce_eager=bool(self.enforce_eager),
+            warmup_tokens=self.max_num_batched_tokens)
 
 
 def check_model_path(path: str) -> None:

@@ -9,6 +9,7 @@ scheduler (``reserve_blocks``) before a step, so a forward never allocates.
 from __future__ import annotations
 
 import logging
+import time
 from dataclasses import dataclass
 from typing import Any, Sequence
 
@@ -36,7 +37,9 @@ class RunnerConfig:
     """How one rank's runner is built. ``num_kv_blocks=None`` sizes the pool: on CPU from
     ``kv_cache_bytes``; on CUDA from what ``gpu_memory_utilization`` of the device leaves
     after the weights (and a reserve for activations). On CUDA with one rank, decode steps
-    replay CUDA graphs captured at start (one per ladder rung) unless ``enforce_eager``."""
+    replay CUDA graphs captured at start (one per ladder rung) unless ``enforce_eager``.
+    ``warmup_tokens`` > 0 (CUDA, one rank): an eager forward of that many padded prompt rows
+    at start, so the prefill-size Triton kernels compile before the first request, not in it."""
 
     model: str
     dtype: str = "auto"
@@ -52,6 +55,7 @@ class RunnerConfig:
     load_format: str = "auto"
     seed: int = 0
     enforce_eager: bool = False
+    warmup_tokens: int = 0
 
 
 def resolve_device(name: str) -> torch.device:
@@ -100,11 +104,43 @@ class Runner:
         self.pool = KVPool(self.num_blocks, self.block_size, cfg.enable_prefix_caching)
         self.tables = BlockTables(cfg.max_num_seqs, -(-self.max_model_len // self.block_size))
         self._free_slots = list(range(cfg.max_num_seqs - 1, -1, -1))
+        if self.device.type == "cuda" and parallel.world_size == 1 and cfg.warmup_tokens > 0:
+            t0 = time.perf_counter()
+            self.warm_up_prefill(cfg.warmup_tokens)
+            log.info("prefill warm-up (%d tokens) in %.1f s", cfg.warmup_tokens,
+                     time.perf_counter() - t0)
         self.graphs: DecodeGraphs | None = None
         if self.device.type == "cuda" and not cfg.enforce_eager and parallel.world_size == 1:
             self.graphs = DecodeGraphs(self._forward, self.device, self.block_size,
                                        cfg.max_num_seqs, self.tables.max_blocks_per_seq)
             self.graphs.capture()
+
+    @torch.inference_mode()
+    def warm_up_prefill(self, num_tokens: int) -> torch.Tensor:
+        """One eager forward of ``num_tokens`` padded prompt rows (and their logits), the
+        shapes of a full prefill step: every row has KV slot -1, so nothing is written to the
+        cache; attention reads block 0 (harmless: the result is discarded). Rows are split into
+        prompts of at most ``max_model_len - 1`` tokens. Returns the hidden states [T, H]."""
+        if num_tokens <= 0:
+            raise ValueError(f"warm_up_prefill: num_tokens must be > 0, got {num_tokens}")
+        per = max(1, min(num_tokens, self.max_model_len - 1))
+        lens = [per] * (num_tokens // per) + ([num_tokens % per] if num_tokens % per else [])
+        dev = self.device
+        positions = torch.cat([torch.arange(n, dtype=torch.int64) for n in lens]).to(dev)
+        qsl = [0]
+        for n in lens:
+            qsl.append(qsl[-1] + n)
+        meta = AttentionMetadata(
+            slot_mapping=torch.full((num_tokens,), -1, dtype=torch.int64, device=dev),
+            query_start_loc=tuple(qsl), seq_lens=tuple(lens),
+            block_tables=torch.zeros((len(lens), -(-per // self.block_size)), dtype=torch.int32,
+                                     device=dev),
+            block_size=self.block_size)
+        ids = torch.zeros(num_tokens, dtype=torch.int64, device=dev)
+        hidden = self._forward(ids, positions, meta)
+        self.model.compute_logits(hidden[torch.tensor(qsl[1:], device=dev) - 1])
+        self.synchronize()
+        return hidden
 
     def _forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
                  meta: AttentionMetadata) -> torch.Tensor:
