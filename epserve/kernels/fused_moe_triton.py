@@ -21,13 +21,13 @@ import torch
 import triton
 import triton.language as tl
 
-from epserve.kernels.moe_align_triton import moe_align, moe_align_ref
+from epserve.kernels.moe_align_triton import moe_align, moe_align_torch
 
 #: Up to this many (token, k) pairs the layout comes from the one-program Triton ``moe_align``
-#: (no host sync: decode steps, which CUDA graphs capture, stay far below it). Above it (prefill
-#: chunks, always eager) the torch ``moe_align_ref`` is used: its sort runs across the GPU,
-#: where one program would walk tens of thousands of pairs serially; its one host sync is
-#: harmless there.
+#: (one launch: decode steps, which CUDA graphs capture, stay far below it). Above it (prefill
+#: chunks) ``moe_align_torch`` builds the same static layout with a sort spread over the GPU,
+#: where one program would walk tens of thousands of pairs serially. Neither syncs with the
+#: host (the reference's data-sized layout cost one sync per layer).
 ALIGN_IN_KERNEL_MAX_PAIRS = 4096
 
 #: Up to this many pairs (batch 1-2 decode at top-8) there is no layout at all: each pair is
@@ -257,7 +257,7 @@ def fused_moe_triton(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_
         block_expert, sorted_ids = ids.reshape(-1), ids  # sorted_ids: unused
         inter_rows = t * top_k * block_m
     else:  # static-size layout, no host sync (CUDA graphs); blocks with expert -1 exit at once
-        align = moe_align if t * top_k <= ALIGN_IN_KERNEL_MAX_PAIRS else moe_align_ref
+        align = moe_align if t * top_k <= ALIGN_IN_KERNEL_MAX_PAIRS else moe_align_torch
         sorted_ids, block_expert = align(topk_ids, e, expert_offset, block_m)
         inter_rows = sorted_ids.numel()
     x = x.contiguous() if x.stride(-1) != 1 else x

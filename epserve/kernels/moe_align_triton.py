@@ -9,7 +9,9 @@ outside ``[expert_offset, expert_offset + E)`` are dropped (another rank owns th
 the routing, so it syncs with the host). ``moe_align`` (Triton, one program) returns the same
 layout inside buffers whose size depends only on (T, K, E, block_m) — the blocks after the layout
 hold sentinels and expert -1 (no work) — and never syncs with the host, so a CUDA graph can
-capture it. The bound: experts with pairs number at most min(E, T*K), and each wastes fewer than
+capture it. ``moe_align_torch`` returns the same static layout from a few torch ops (a stable
+sort spread over the GPU) and also never syncs: the choice for many pairs (prefill), where the
+one Triton program would walk tens of thousands of pairs serially. The bound: experts with pairs number at most min(E, T*K), and each wastes fewer than
 ``block_m`` slots, so the layout fits ``T*K + min(E, T*K) * (block_m - 1)`` slots.
 """
 
@@ -103,6 +105,47 @@ def _moe_align_kernel(ids_ptr, sorted_ptr, block_expert_ptr, n, num_local, exper
         c += CHUNK
 
 
+def _check_align_args(topk_ids: torch.Tensor, num_local_experts: int, block_m: int) -> None:
+    if topk_ids.dim() != 2 or topk_ids.dtype not in (torch.int32, torch.int64):
+        raise ValueError(f"moe_align: topk_ids must be [T, K] int32/int64, got "
+                         f"{tuple(topk_ids.shape)} {topk_ids.dtype}")
+    if num_local_experts < 1 or block_m < 1 or block_m & (block_m - 1):
+        raise ValueError(f"moe_align: need num_local_experts >= 1 and block_m a power of two, "
+                         f"got {num_local_experts}, {block_m}")
+
+
+def moe_align_torch(topk_ids: torch.Tensor, num_local_experts: int, expert_offset: int,
+                    block_m: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """``moe_align``'s static layout from torch ops, without a host sync (same contract).
+
+    Pairs of other ranks sort after every local one (bin E) and are scattered to one spare
+    slot past the layout, which is cut off.
+    """
+    _check_align_args(topk_ids, num_local_experts, block_m)
+    e, bm = num_local_experts, block_m
+    flat = topk_ids.reshape(-1).to(torch.int64) - expert_offset
+    n, device = flat.numel(), flat.device
+    nb = max_aligned_blocks(n, e, bm)
+    key = torch.where((flat >= 0) & (flat < e), flat, e)  # [n] local expert, or bin E
+    counts = torch.zeros(e + 1, dtype=torch.int64, device=device)
+    counts.scatter_add_(0, key, torch.ones_like(key))
+    padded = (counts[:e] + bm - 1) // bm * bm
+    padded_end = torch.cumsum(padded, 0)
+    start = torch.cumsum(counts, 0) - counts  # [E + 1] first sorted rank of each bin
+    order = torch.argsort(key, stable=True)  # pair ids by expert, ascending within one
+    sorted_key = key[order]
+    rank = torch.arange(n, device=device) - start[sorted_key]
+    local = sorted_key < e
+    slot_start = (padded_end - padded)[sorted_key.clamp(max=e - 1)]
+    pos = torch.where(local, slot_start + rank, nb * bm)  # others -> the spare slot
+    sorted_ids = torch.full((nb * bm + 1,), n, dtype=torch.int32, device=device)
+    sorted_ids.scatter_(0, pos, order.to(torch.int32))
+    rows = torch.arange(nb, device=device) * bm
+    owner = torch.searchsorted(padded_end, rows, right=True)  # first expert ending past row
+    block_expert = torch.where(owner < e, owner, -1).to(torch.int32)
+    return sorted_ids[:nb * bm], block_expert
+
+
 def moe_align(topk_ids: torch.Tensor, num_local_experts: int, expert_offset: int,
               block_m: int) -> tuple[torch.Tensor, torch.Tensor]:
     """``moe_align_ref``'s layout in static-size buffers, without a host sync.
@@ -111,12 +154,7 @@ def moe_align(topk_ids: torch.Tensor, num_local_experts: int, expert_offset: int
     block_expert [NB] int32)`` with ``NB = max_aligned_blocks(T * K, E, block_m)``: the first
     blocks are the reference layout, the rest hold the sentinel ``T * K`` and expert -1.
     """
-    if topk_ids.dim() != 2 or topk_ids.dtype not in (torch.int32, torch.int64):
-        raise ValueError(f"moe_align: topk_ids must be [T, K] int32/int64, got "
-                         f"{tuple(topk_ids.shape)} {topk_ids.dtype}")
-    if num_local_experts < 1 or block_m < 1 or block_m & (block_m - 1):
-        raise ValueError(f"moe_align: need num_local_experts >= 1 and block_m a power of two, "
-                         f"got {num_local_experts}, {block_m}")
+    _check_align_args(topk_ids, num_local_experts, block_m)
     ids = topk_ids.reshape(-1).contiguous()
     n = ids.numel()
     nb = max_aligned_blocks(n, num_local_experts, block_m)

@@ -130,11 +130,11 @@ def test_wrapper_rejects_bad_inputs():
 
 
 def test_large_batches_align_with_the_torch_layout(monkeypatch):
-    # above ALIGN_IN_KERNEL_MAX_PAIRS (prefill) the reference layout feeds the same GEMMs
+    # above ALIGN_IN_KERNEL_MAX_PAIRS (prefill) the torch static layout feeds the same GEMMs
     monkeypatch.setattr(fmt, "ALIGN_IN_KERNEL_MAX_PAIRS", 8)
     calls = []
-    real = fmt.moe_align_ref
-    monkeypatch.setattr(fmt, "moe_align_ref", lambda *a: calls.append(1) or real(*a))
+    real = fmt.moe_align_torch
+    monkeypatch.setattr(fmt, "moe_align_torch", lambda *a: calls.append(1) or real(*a))
     for dtype in (torch.float32, torch.float16):
         x, w13, w2, ids, wts = _inputs(20, 32, 16, 8, 2, dtype, seed=11)
         _check(fmt.fused_moe_triton(x, w13, w2, ids, wts), fused_moe_ref(x, w13, w2, ids, wts),
@@ -152,7 +152,7 @@ def test_few_pairs_skip_the_layout(monkeypatch):
         raise AssertionError("moe_align called for a few pairs")
 
     monkeypatch.setattr(fmt, "moe_align", no_align)
-    monkeypatch.setattr(fmt, "moe_align_ref", no_align)
+    monkeypatch.setattr(fmt, "moe_align_torch", no_align)
     assert fmt.PAIR_BLOCKS_MAX_PAIRS >= 8
     for dtype in (torch.float32, torch.float16):
         x, w13, w2, ids, wts = _inputs(2, 32, 16, 6, 4, dtype, seed=21)  # tokens share experts

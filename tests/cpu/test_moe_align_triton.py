@@ -52,6 +52,7 @@ def test_ref_layout():
 
 # (T, K, E_local, E_total, offset, block_m)
 CASES = [
+    (700, 8, 128, 128, 0, 64),  # prefill-like: many pairs per expert
     (1, 8, 128, 128, 0, 16),   # decode, one token: 8 experts hit, most of the buffer unused
     (10, 3, 5, 9, 2, 16),      # a shard: some pairs belong to other ranks
     (64, 8, 60, 60, 0, 16),    # E not a power of two
@@ -61,13 +62,17 @@ CASES = [
 ]
 
 
+IMPLS = ["moe_align", "moe_align_torch"]  # the one-program kernel, the sync-free torch ops
+
+
+@pytest.mark.parametrize("impl", IMPLS)
 @pytest.mark.parametrize("case", CASES, ids=lambda c: "T{}K{}E{}of{}off{}bm{}".format(*c))
 @pytest.mark.parametrize("dtype", [torch.int64, torch.int32])
-def test_triton_matches_ref_prefix(case, dtype):
+def test_static_layout_matches_ref_prefix(case, dtype, impl):
     t, k, e, e_total, off, bm = case
     ids = _ids(t, k, e_total + off, seed=t * 7 + k).to(dtype)
     ref_ids, ref_blocks = mat.moe_align_ref(ids, e, off, bm)
-    got_ids, got_blocks = mat.moe_align(ids, e, off, bm)
+    got_ids, got_blocks = getattr(mat, impl)(ids, e, off, bm)
     nb = mat.max_aligned_blocks(t * k, e, bm)
     assert got_ids.shape == (nb * bm,) and got_blocks.shape == (nb,)  # static: routing-free size
     n = ref_blocks.numel()
@@ -76,18 +81,20 @@ def test_triton_matches_ref_prefix(case, dtype):
     assert torch.all(got_blocks[n:] == -1) and torch.all(got_ids[n * bm:] == t * k)
 
 
-def test_bound_is_tight_enough_for_worst_routing():
+@pytest.mark.parametrize("impl", IMPLS)
+def test_bound_is_tight_enough_for_worst_routing(impl):
     # every pair on its own expert: each group wastes block_m - 1 slots, the bound holds exactly
     t, k, e, bm = 4, 4, 16, 16
     ids = torch.arange(t * k).reshape(t, k)
     ref_ids, _ = mat.moe_align_ref(ids, e, 0, bm)
     assert ref_ids.numel() == mat.max_aligned_blocks(t * k, e, bm) * bm
-    got_ids, got_blocks = mat.moe_align(ids, e, 0, bm)
+    got_ids, got_blocks = getattr(mat, impl)(ids, e, 0, bm)
     assert torch.equal(got_ids, ref_ids) and got_blocks.tolist() == list(range(16))
 
 
-def test_rejects_bad_inputs():
+@pytest.mark.parametrize("impl", IMPLS)
+def test_rejects_bad_inputs(impl):
     with pytest.raises(ValueError, match="int32/int64"):
-        mat.moe_align(torch.zeros(3, 2), 4, 0, 16)
+        getattr(mat, impl)(torch.zeros(3, 2), 4, 0, 16)
     with pytest.raises(ValueError, match="power of two"):
-        mat.moe_align(torch.zeros(3, 2, dtype=torch.int64), 4, 0, 12)
+        getattr(mat, impl)(torch.zeros(3, 2, dtype=torch.int64), 4, 0, 12)

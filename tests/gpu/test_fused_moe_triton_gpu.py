@@ -76,3 +76,24 @@ def test_timing(weights, t):
     tri = _time_ms(lambda: fused_moe_triton(x, w13, w2, ids, wts))
     ref = _time_ms(lambda: fused_moe_ref(x, w13, w2, ids, wts))
     print(f"fused_moe T={t} bf16: triton {tri:.3f} ms, ref {ref:.3f} ms, speedup {ref / tri:.1f}x")
+
+
+@pytest.mark.parametrize("t", [1, 256, 8192])  # pair blocks, in-kernel layout, torch layout
+def test_no_host_sync(weights, t):
+    import warnings
+
+    from epserve.kernels.fused_moe_triton import fused_moe_triton
+
+    w13, w2 = weights
+    x, ids, wts = _route(t, seed=300 + t)
+    fused_moe_triton(x, w13, w2, ids, wts)  # compile, warm the allocator
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("warn")
+    try:
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            fused_moe_triton(x, w13, w2, ids, wts)
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    syncs = [str(w.message) for w in caught if "synchroniz" in str(w.message).lower()]
+    assert not syncs, syncs
