@@ -26,6 +26,7 @@ from epserve.worker.batch import BlockTables, StepInputs, StepRow, build_step_in
 from epserve.worker.cuda_graphs import DecodeGraphs
 from epserve.worker.kv_pool import KVPool
 from epserve.worker.sampler import prompt_logprobs_rows, sample_rows
+from epserve.worker.warmup import warm_up_prefill
 
 log = logging.getLogger(__name__)
 
@@ -106,7 +107,8 @@ class Runner:
         self._free_slots = list(range(cfg.max_num_seqs - 1, -1, -1))
         if self.device.type == "cuda" and parallel.world_size == 1 and cfg.warmup_tokens > 0:
             t0 = time.perf_counter()
-            self.warm_up_prefill(cfg.warmup_tokens)
+            warm_up_prefill(self._forward, self.model.compute_logits, cfg.warmup_tokens,
+                            self.max_model_len, self.block_size, self.device)
             log.info("prefill warm-up (%d tokens) in %.1f s", cfg.warmup_tokens,
                      time.perf_counter() - t0)
         self.graphs: DecodeGraphs | None = None
@@ -114,33 +116,6 @@ class Runner:
             self.graphs = DecodeGraphs(self._forward, self.device, self.block_size,
                                        cfg.max_num_seqs, self.tables.max_blocks_per_seq)
             self.graphs.capture()
-
-    @torch.inference_mode()
-    def warm_up_prefill(self, num_tokens: int) -> torch.Tensor:
-        """One eager forward of ``num_tokens`` padded prompt rows (and their logits), the
-        shapes of a full prefill step: every row has KV slot -1, so nothing is written to the
-        cache; attention reads block 0 (harmless: the result is discarded). Rows are split into
-        prompts of at most ``max_model_len - 1`` tokens. Returns the hidden states [T, H]."""
-        if num_tokens <= 0:
-            raise ValueError(f"warm_up_prefill: num_tokens must be > 0, got {num_tokens}")
-        per = max(1, min(num_tokens, self.max_model_len - 1))
-        lens = [per] * (num_tokens // per) + ([num_tokens % per] if num_tokens % per else [])
-        dev = self.device
-        positions = torch.cat([torch.arange(n, dtype=torch.int64) for n in lens]).to(dev)
-        qsl = [0]
-        for n in lens:
-            qsl.append(qsl[-1] + n)
-        meta = AttentionMetadata(
-            slot_mapping=torch.full((num_tokens,), -1, dtype=torch.int64, device=dev),
-            query_start_loc=tuple(qsl), seq_lens=tuple(lens),
-            block_tables=torch.zeros((len(lens), -(-per // self.block_size)), dtype=torch.int32,
-                                     device=dev),
-            block_size=self.block_size)
-        ids = torch.zeros(num_tokens, dtype=torch.int64, device=dev)
-        hidden = self._forward(ids, positions, meta)
-        self.model.compute_logits(hidden[torch.tensor(qsl[1:], device=dev) - 1])
-        self.synchronize()
-        return hidden
 
     def _forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
                  meta: AttentionMetadata) -> torch.Tensor:

@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from epserve import LLM, SamplingParams
+from epserve.worker.warmup import warm_up_prefill
 
 
 def test_warm_up_writes_no_kv_and_changes_no_output(qwen3_ckpt):
@@ -18,7 +19,11 @@ def test_warm_up_writes_no_kv_and_changes_no_output(qwen3_ckpt):
     greedy = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
     before = llm.generate([{"prompt_token_ids": [5, 9, 11, 3]}], greedy)[0].outputs[0].token_ids
     caches = [(k.clone(), v.clone()) for k, v in r.kv_caches]
-    hidden = r.warm_up_prefill(96)  # 3 prompts of 39 tokens and one of 18 (max_model_len 40)
+    def warm(n):  # what the runner runs at start on CUDA
+        return warm_up_prefill(r._forward, r.model.compute_logits, n, r.max_model_len,
+                               r.block_size, r.device)
+
+    hidden = warm(96)  # 2 prompts of 39 tokens and one of 18 (max_model_len 40)
     assert hidden.shape == (96, r.model_config.hidden_size)
     assert torch.isfinite(hidden).all()
     for (k0, v0), (k1, v1) in zip(caches, r.kv_caches):
@@ -26,4 +31,4 @@ def test_warm_up_writes_no_kv_and_changes_no_output(qwen3_ckpt):
     after = llm.generate([{"prompt_token_ids": [5, 9, 11, 3]}], greedy)[0].outputs[0].token_ids
     assert after == before
     with pytest.raises(ValueError, match="num_tokens"):
-        r.warm_up_prefill(0)
+        warm(0)
