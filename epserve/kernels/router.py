@@ -16,7 +16,10 @@ from __future__ import annotations
 import os
 
 import torch
+import torch.nn.functional as F
 
+#: The most rows the fused norm + router launch takes (each program re-normalises its row).
+MAX_FUSED_TOKENS = 64
 MAX_TRITON_EXPERTS = 512  # one [rows, next_pow2(E)] register tile per program; beyond: reference
 
 
@@ -68,3 +71,45 @@ def topk_softmax(logits: torch.Tensor, top_k: int,
                 logits = logits.contiguous()
             return topk_softmax_triton(logits, top_k, renormalize)
     return topk_softmax_ref(logits, top_k, renormalize)
+
+
+def add_norm_router_ref(x: torch.Tensor, residual: torch.Tensor, norm_weight: torch.Tensor,
+                        eps: float, router_weight: torch.Tensor, top_k: int, renormalize: bool):
+    """The MoE block's pre-norm and router, the definition of the fused launch:
+    ``normed, new_residual = fused_add_rms_norm_ref(x, residual, norm_weight, eps)``, router
+    logits ``F.linear(normed, router_weight)`` (x.dtype, as transformers' gate), then
+    ``topk_softmax_ref``. Returns ``(normed, new_residual, topk_ids, topk_weights)``."""
+    from epserve.kernels.norm import fused_add_rms_norm_ref
+
+    normed, new_res = fused_add_rms_norm_ref(x, residual, norm_weight, eps)
+    ids, weights = topk_softmax_ref(F.linear(normed, router_weight), top_k, renormalize)
+    return normed, new_res, ids, weights
+
+
+def add_norm_router(x: torch.Tensor, residual: torch.Tensor, norm_weight: torch.Tensor,
+                    eps: float, router_weight: torch.Tensor, top_k: int, renormalize: bool):
+    """Public entry for ``add_norm_router_ref`` (same contract). x, residual: [T, H];
+    norm_weight: [H]; router_weight: [E, H].
+
+    Up to ``MAX_FUSED_TOKENS`` rows on CUDA (or under ``TRITON_INTERPRET=1``) it is one
+    Triton launch (``norm_router_triton``: decode steps); larger batches, other dtypes or
+    layouts run the three public entries it fuses (each row is normalised once there).
+    """
+    from epserve.kernels.norm import fused_add_rms_norm
+
+    t = x.shape[0] if x.dim() == 2 else -1
+    if (0 < t <= MAX_FUSED_TOKENS and (x.is_cuda or os.environ.get("TRITON_INTERPRET") == "1")
+            and x.dtype in (torch.float32, torch.float16, torch.bfloat16)
+            and residual.dtype == x.dtype == router_weight.dtype and residual.shape == x.shape
+            and router_weight.shape[0] <= MAX_TRITON_EXPERTS
+            and x.is_contiguous() and residual.is_contiguous()):
+        try:  # lazy: triton is optional
+            from epserve.kernels.norm_router_triton import add_norm_router_triton
+        except ImportError:
+            add_norm_router_triton = None
+        if add_norm_router_triton is not None:
+            return add_norm_router_triton(x, residual, norm_weight.contiguous(), eps,
+                                          router_weight.contiguous(), top_k, renormalize)
+    normed, new_res = fused_add_rms_norm(x, residual, norm_weight, eps)
+    ids, weights = topk_softmax(F.linear(normed, router_weight), top_k, renormalize)
+    return normed, new_res, ids, weights

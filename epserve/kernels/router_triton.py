@@ -26,26 +26,20 @@ _DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 _TILE_ELEMS = 1024  # BLOCK_T * BLOCK_E per program
 
 
-@triton.jit(do_not_specialize=["num_tokens"])  # varies per step: one compile
-def _topk_softmax_kernel(logits_ptr, ids_ptr, weights_ptr, num_tokens, num_experts, stride_t,
-                         TOP_K: tl.constexpr, RENORMALIZE: tl.constexpr, BLOCK_T: tl.constexpr,
-                         BLOCK_E: tl.constexpr, BLOCK_K: tl.constexpr):
-    """Rows ``[pid * BLOCK_T, +BLOCK_T)``: softmax, K argmax rounds, store ids and weights.
+@triton.jit
+def softmax_topk_tile(x, col_ok, TOP_K: tl.constexpr, RENORMALIZE: tl.constexpr,
+                      BLOCK_T: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_K: tl.constexpr):
+    """Softmax + top-K of a [BLOCK_T, BLOCK_E] float32 logit tile (``col_ok``: [BLOCK_E], the
+    real expert columns; the others must hold -inf). Returns ``(ids [BLOCK_T, BLOCK_K] int32,
+    weights [BLOCK_T, BLOCK_K] float32)``, columns >= TOP_K zero. Shared with the fused
+    norm + router kernel (``norm_router_triton``).
 
     TOP_K is a compile-time constant (the round loop is unrolled; the interpreter cannot loop
     over a runtime bound). Selection key: the prob, 2.0 for a NaN prob (above any prob, as
     torch.sort ranks NaN), -inf for padded columns and already-picked experts; since
     TOP_K <= E, every round finds a real column.
     """
-    pid = tl.program_id(0)
-    rows = pid * BLOCK_T + tl.arange(0, BLOCK_T)
-    row_ok = rows < num_tokens
     cols = tl.arange(0, BLOCK_E)
-    col_ok = cols < num_experts
-    ptrs = logits_ptr + rows[:, None].to(tl.int64) * stride_t + cols[None, :]
-    x = tl.load(ptrs, mask=row_ok[:, None] & col_ok[None, :], other=0.0).to(tl.float32)
-    x = tl.where(col_ok[None, :], x, float("-inf"))  # rows past T stay finite (zeros)
-
     row_max = tl.max(x, axis=1)
     num = tl.where(col_ok[None, :], tl.exp(x - row_max[:, None]), 0.0)
     probs = num / tl.sum(num, axis=1)[:, None]  # [BLOCK_T, BLOCK_E] float32
@@ -63,7 +57,25 @@ def _topk_softmax_kernel(logits_ptr, ids_ptr, weights_ptr, num_tokens, num_exper
         out_i = tl.where(kk[None, :] == k, idx[:, None], out_i)
     if RENORMALIZE:
         out_w = out_w / tl.sum(out_w, axis=1)[:, None]  # columns >= TOP_K hold 0
+    return out_i, out_w
 
+
+@triton.jit(do_not_specialize=["num_tokens"])  # varies per step: one compile
+def _topk_softmax_kernel(logits_ptr, ids_ptr, weights_ptr, num_tokens, num_experts, stride_t,
+                         TOP_K: tl.constexpr, RENORMALIZE: tl.constexpr, BLOCK_T: tl.constexpr,
+                         BLOCK_E: tl.constexpr, BLOCK_K: tl.constexpr):
+    """Rows ``[pid * BLOCK_T, +BLOCK_T)``: softmax, K argmax rounds, store ids and weights."""
+    pid = tl.program_id(0)
+    rows = pid * BLOCK_T + tl.arange(0, BLOCK_T)
+    row_ok = rows < num_tokens
+    cols = tl.arange(0, BLOCK_E)
+    col_ok = cols < num_experts
+    ptrs = logits_ptr + rows[:, None].to(tl.int64) * stride_t + cols[None, :]
+    x = tl.load(ptrs, mask=row_ok[:, None] & col_ok[None, :], other=0.0).to(tl.float32)
+    x = tl.where(col_ok[None, :], x, float("-inf"))  # rows past T stay finite (zeros)
+
+    out_i, out_w = softmax_topk_tile(x, col_ok, TOP_K, RENORMALIZE, BLOCK_T, BLOCK_E, BLOCK_K)
+    kk = tl.arange(0, BLOCK_K)
     out_off = rows[:, None].to(tl.int64) * TOP_K + kk[None, :]
     out_ok = row_ok[:, None] & (kk[None, :] < TOP_K)
     tl.store(ids_ptr + out_off, out_i.to(tl.int64), mask=out_ok)

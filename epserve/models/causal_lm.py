@@ -14,7 +14,8 @@ from torch import nn
 
 from epserve.kernels.attention import AttentionMetadata
 from epserve.models.config import ModelConfig
-from epserve.models.layers import Attention, RMSNorm, RotaryEmbedding, WeightMap, map_attention
+from epserve.models.layers import (Attention, RMSNorm, RotaryEmbedding, SparseMoeBlock, WeightMap,
+                                   map_attention)
 from epserve.models.parallel import ParallelInfo
 
 KVCache = tuple[torch.Tensor, torch.Tensor]
@@ -38,6 +39,8 @@ class DecoderLayer(nn.Module):
         else:
             hidden, residual = self.input_layernorm(hidden, residual)
         hidden = self.self_attn(positions, hidden, kv_cache, meta, rope)  # [T, H]
+        if isinstance(self.ffn, SparseMoeBlock):  # its router fuses with the pre-norm
+            return self.ffn.forward_prenorm(hidden, residual, self.post_attention_layernorm)
         hidden, residual = self.post_attention_layernorm(hidden, residual)
         return self.ffn(hidden), residual  # [T, H], [T, H]
 

@@ -21,7 +21,7 @@ from epserve.kernels.attention import AttentionMetadata, paged_attention
 from epserve.kernels.moe import fused_moe
 from epserve.kernels.norm import fused_add_rms_norm, rms_norm
 from epserve.kernels.rope import apply_qk_norm_rope, apply_rope, build_rope_cache
-from epserve.kernels.router import topk_softmax
+from epserve.kernels.router import add_norm_router, topk_softmax
 from epserve.models.config import CheckpointError, ModelConfig
 from epserve.models.parallel import ParallelInfo
 
@@ -161,6 +161,20 @@ class SparseMoeBlock(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """x: [T, H]. Returns [T, H]."""
         topk_ids, topk_weights = self.gate(x)  # [T, K], [T, K]
+        return self._experts(x, topk_ids, topk_weights)
+
+    def forward_prenorm(self, x: torch.Tensor, residual: torch.Tensor,
+                        norm: RMSNorm) -> tuple[torch.Tensor, torch.Tensor]:
+        """``forward(norm(x, residual))`` with the residual add, the norm and the router in one
+        launch at decode sizes (``add_norm_router``). x, residual: [T, H]. Returns
+        ``(moe output, new residual)``, both [T, H]."""
+        hidden, residual, topk_ids, topk_weights = add_norm_router(
+            x, residual, norm.weight, norm.eps, self.gate.weight, self.gate.top_k,
+            self.gate.renormalize)
+        return self._experts(hidden, topk_ids, topk_weights), residual
+
+    def _experts(self, x: torch.Tensor, topk_ids: torch.Tensor,
+                 topk_weights: torch.Tensor) -> torch.Tensor:
         if self.parallel.world_size == 1:
             return self.experts(x, topk_ids, topk_weights)
         comm = self.parallel.ep_comm

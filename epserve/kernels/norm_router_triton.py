@@ -1,0 +1,147 @@
+"""Triton residual-add + RMSNorm + router GEMV + softmax-top-K in ONE launch (decode sizes).
+
+Same contract as ``epserve.kernels.router.add_norm_router_ref`` (the definition): the MoE
+block's pre-norm and its router, which at decode sizes were four launches (add+norm, the
+router GEMM, its top-K) for ~1 MB of traffic, each launch costing more than its bytes.
+
+Layout: grid ``(T, NB)``. Program ``(t, b)`` recomputes row t's add + norm (a few KB; program
+``b == 0`` stores ``normed`` and ``new_residual``), multiplies it by router rows
+``[b * BLOCK_E, +BLOCK_E)`` (float32 accumulate, rounded to x.dtype as ``F.linear`` rounds)
+and stores those logits into a float32 scratch row. Then it increments row t's arrival counter
+(an acq_rel atomic: its logits are visible before the count); the program that arrives last
+reads the whole row back (volatile loads: not from a stale L1 line), runs the shared
+``softmax_topk_tile`` and resets the counter to 0 for the next call. The counters live in one
+zeroed int32 buffer per device, made on first use and reset by every launch, so the kernel is
+CUDA-graph capturable (no host sync, no memset node).
+
+Importing this module imports triton; kernels decorated while ``TRITON_INTERPRET=1`` is set run
+in the Triton interpreter (CPU tensors allowed; programs run one after another there).
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from epserve.kernels.router import MAX_FUSED_TOKENS, MAX_TRITON_EXPERTS
+from epserve.kernels.router_triton import softmax_topk_tile
+from epserve.kernels.wrapper_checks import check_devices
+
+MAX_H = 8192
+_W_TILE_ELEMS = 8192  # BLOCK_E * BLOCK_H per program: ~16 KB of bf16 router rows at H=2048
+_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+_COUNTERS: dict[torch.device, torch.Tensor] = {}
+
+
+@triton.jit
+def _norm_router_kernel(x_ptr, r_ptr, nw_ptr, gw_ptr, out_ptr, res_out_ptr, logits_ptr,
+                        count_ptr, ids_ptr, weights_ptr, H, E, eps,
+                        NUM_BLOCKS: tl.constexpr, TOP_K: tl.constexpr,
+                        RENORMALIZE: tl.constexpr, BLOCK_H: tl.constexpr,
+                        BLOCK_E: tl.constexpr, BLOCK_E_ALL: tl.constexpr,
+                        BLOCK_K: tl.constexpr):
+    t = tl.program_id(0).to(tl.int64)
+    b = tl.program_id(1)
+    offs = tl.arange(0, BLOCK_H)
+    h_ok = offs < H
+    x = tl.load(x_ptr + t * H + offs, mask=h_ok, other=0.0)
+    dtype = x.dtype
+    r = tl.load(r_ptr + t * H + offs, mask=h_ok, other=0.0)
+    s = (x.to(tl.float32) + r.to(tl.float32)).to(dtype)  # rounded as torch's x + residual
+    sf = s.to(tl.float32)
+    normed = (sf * tl.rsqrt(tl.sum(sf * sf, axis=0) / H + eps)).to(dtype)
+    nw = tl.load(nw_ptr + offs, mask=h_ok, other=0.0).to(tl.float32)
+    normed = (nw * normed.to(tl.float32)).to(dtype)  # exactly the norm kernel's rounding
+    if b == 0:
+        tl.store(res_out_ptr + t * H + offs, s, mask=h_ok)
+        tl.store(out_ptr + t * H + offs, normed, mask=h_ok)
+
+    e = b * BLOCK_E + tl.arange(0, BLOCK_E)
+    e_ok = e < E
+    w = tl.load(gw_ptr + e[:, None].to(tl.int64) * H + offs[None, :],
+                mask=e_ok[:, None] & h_ok[None, :], other=0.0)
+    logit = tl.sum(w.to(tl.float32) * normed.to(tl.float32)[None, :], axis=1)  # [BLOCK_E]
+    logit = logit.to(dtype).to(tl.float32)  # the router output is x.dtype, as F.linear's
+    tl.store(logits_ptr + t * E + e, logit, mask=e_ok)
+
+    arrived = tl.atomic_add(count_ptr + t, 1, sem="acq_rel")
+    if arrived == NUM_BLOCKS - 1:  # the last program of row t: every slice is stored
+        cols = tl.arange(0, BLOCK_E_ALL)
+        col_ok = cols < E
+        row = tl.load(logits_ptr + t * E + cols[None, :], mask=col_ok[None, :],
+                      other=float("-inf"), volatile=True)  # [1, BLOCK_E_ALL]
+        out_i, out_w = softmax_topk_tile(row, col_ok, TOP_K, RENORMALIZE, 1, BLOCK_E_ALL,
+                                         BLOCK_K)
+        kk = tl.arange(0, BLOCK_K)
+        k_ok = kk[None, :] < TOP_K
+        tl.store(ids_ptr + t * TOP_K + kk[None, :], out_i.to(tl.int64), mask=k_ok)
+        tl.store(weights_ptr + t * TOP_K + kk[None, :], out_w, mask=k_ok)
+        tl.atomic_xchg(count_ptr + t, 0)
+
+
+_INTERPRETED = type(_norm_router_kernel).__name__ == "InterpretedFunction"
+
+
+def _counters(device: torch.device) -> torch.Tensor:
+    """The per-device arrival counters (zero between launches: each launch resets its own)."""
+    buf = _COUNTERS.get(device)
+    if buf is None:
+        buf = _COUNTERS[device] = torch.zeros(MAX_FUSED_TOKENS, dtype=torch.int32, device=device)
+    return buf
+
+
+def add_norm_router_triton(x: torch.Tensor, residual: torch.Tensor, norm_weight: torch.Tensor,
+                           eps: float, router_weight: torch.Tensor, top_k: int,
+                           renormalize: bool, *, block_e: int | None = None):
+    """Triton ``add_norm_router_ref`` (same contract), one launch.
+
+    x, residual: [T, H] contiguous, same dtype (fp32/fp16/bf16), T <= ``MAX_FUSED_TOKENS``;
+    norm_weight: [H]; router_weight: [E, H] contiguous, x's dtype, E <= 512. Returns
+    ``(normed [T, H], new_residual [T, H], topk_ids [T, K] int64, topk_weights [T, K] float32)``.
+    ``block_e`` overrides the router rows per program (a power of two). ValueError otherwise.
+    """
+    name = "add_norm_router_triton"
+    if x.dim() != 2 or residual.shape != x.shape or residual.dtype != x.dtype:
+        raise ValueError(f"{name}: x {tuple(x.shape)} {x.dtype} and residual "
+                         f"{tuple(residual.shape)} {residual.dtype} must be the same [T, H]")
+    t, h = x.shape
+    if not 1 <= h <= MAX_H or t > MAX_FUSED_TOKENS:
+        raise ValueError(f"{name}: T={t} must be <= {MAX_FUSED_TOKENS} and H={h} in [1, {MAX_H}]")
+    if norm_weight.shape != (h,) or router_weight.dim() != 2 or router_weight.shape[1] != h:
+        raise ValueError(f"{name}: norm_weight {tuple(norm_weight.shape)} must be [{h}] and "
+                         f"router_weight {tuple(router_weight.shape)} [E, {h}]")
+    e = router_weight.shape[0]
+    if isinstance(top_k, bool) or not isinstance(top_k, int) or not 1 <= top_k <= e:
+        raise ValueError(f"{name}: top_k must be an int in [1, E={e}], got {top_k!r}")
+    if e > MAX_TRITON_EXPERTS:
+        raise ValueError(f"{name}: at most {MAX_TRITON_EXPERTS} experts, got E={e}")
+    if x.dtype not in _DTYPES or router_weight.dtype != x.dtype or norm_weight.dtype not in _DTYPES:
+        raise ValueError(f"{name}: x {x.dtype} (one of {_DTYPES}), router_weight "
+                         f"{router_weight.dtype} must match it, norm_weight {norm_weight.dtype}")
+    if not (x.is_contiguous() and residual.is_contiguous() and router_weight.is_contiguous()
+            and norm_weight.is_contiguous()):
+        raise ValueError(f"{name}: x, residual, norm_weight and router_weight must be contiguous")
+    check_devices(name, [x, residual, norm_weight, router_weight], _INTERPRETED,
+                  "epserve.kernels.norm_router_triton")
+    block_h = triton.next_power_of_2(h)
+    if block_e is None:
+        block_e = max(1, min(triton.next_power_of_2(e), _W_TILE_ELEMS // block_h))
+    elif isinstance(block_e, bool) or not isinstance(block_e, int) or block_e < 1 \
+            or block_e & (block_e - 1):
+        raise ValueError(f"{name}: block_e must be a power of two >= 1, got {block_e!r}")
+    dev = x.device
+    normed, new_res = torch.empty_like(x), torch.empty_like(x)
+    ids = torch.empty((t, top_k), dtype=torch.int64, device=dev)
+    weights = torch.empty((t, top_k), dtype=torch.float32, device=dev)
+    if t == 0:
+        return normed, new_res, ids, weights
+    logits = torch.empty((t, e), dtype=torch.float32, device=dev)
+    nb = triton.cdiv(e, block_e)
+    _norm_router_kernel[(t, nb)](
+        x, residual, norm_weight, router_weight, normed, new_res, logits, _counters(dev),
+        ids, weights, h, e, float(eps),
+        NUM_BLOCKS=nb, TOP_K=top_k, RENORMALIZE=bool(renormalize), BLOCK_H=block_h,
+        BLOCK_E=block_e, BLOCK_E_ALL=triton.next_power_of_2(e),
+        BLOCK_K=triton.next_power_of_2(top_k), num_warps=4 if block_h <= 2048 else 8)
+    return normed, new_res, ids, weights

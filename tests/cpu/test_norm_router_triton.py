@@ -1,0 +1,140 @@
+"""The fused residual-add + RMSNorm + router + top-K launch (Triton interpreter on CPU) against
+its definition ``add_norm_router_ref``, and the public entry's choice of path.
+
+Bar: fp32 normed / new residual within 1e-6 relative, ids equal, weights within 1e-5; fp16 /
+bf16 normed and new residual within two units in the last place (the interpreter emulates
+bf16 on numpy floats), and the picked experts are a
+top-K of the reference logits (bf16 rounding makes exact logit ties common, and both sides break
+them the same way only when their float32 sums round alike). The arrival counters are back at
+zero after each launch (the next launch, or a graph replay, starts clean).
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import sys
+
+import pytest
+
+if importlib.util.find_spec("triton") is None:
+    pytest.skip("triton is not installed", allow_module_level=True)
+
+_MODS = ("epserve.kernels.router_triton", "epserve.kernels.norm_router_triton")
+_prev = os.environ.get("TRITON_INTERPRET")
+os.environ["TRITON_INTERPRET"] = "1"
+try:
+    for _m in _MODS:
+        sys.modules.pop(_m, None)
+    from epserve.kernels import norm_router_triton as nrt  # noqa: E402
+    from epserve.kernels import router_triton as rt  # noqa: E402
+finally:
+    if _prev is None:
+        del os.environ["TRITON_INTERPRET"]
+    else:
+        os.environ["TRITON_INTERPRET"] = _prev
+    for _m in _MODS:
+        sys.modules.pop(_m, None)
+
+import torch  # noqa: E402
+import torch.nn.functional as F  # noqa: E402
+
+from epserve.kernels.router import MAX_FUSED_TOKENS, add_norm_router, add_norm_router_ref  # noqa: E402
+
+assert type(nrt._norm_router_kernel).__name__ == "InterpretedFunction"
+
+
+@pytest.fixture(autouse=True)
+def _interpret(monkeypatch):
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    monkeypatch.setitem(sys.modules, _MODS[0], rt)
+    monkeypatch.setitem(sys.modules, _MODS[1], nrt)
+
+
+def _inputs(t, h, e, dtype=torch.float32, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(t, h, generator=g).to(dtype)
+    res = torch.randn(t, h, generator=g).to(dtype)
+    nw = (1 + 0.1 * torch.randn(h, generator=g)).to(dtype)
+    gw = (torch.randn(e, h, generator=g) / h ** 0.5 * 4).to(dtype)
+    return x, res, nw, gw
+
+
+@pytest.mark.parametrize("t,h,e,k,renorm,block_e", [
+    (1, 64, 8, 2, False, None),     # one program per row
+    (1, 96, 128, 8, True, 4),       # 32 programs meet at the counter; H not a power of two
+    (3, 64, 60, 4, True, 8),        # E not a power of two: the last block is partial
+    (MAX_FUSED_TOKENS, 32, 16, 1, False, 2),
+])
+def test_fp32_matches_reference(t, h, e, k, renorm, block_e):
+    x, res, nw, gw = _inputs(t, h, e)
+    got = nrt.add_norm_router_triton(x, res, nw, 1e-6, gw, k, renorm, block_e=block_e)
+    ref = add_norm_router_ref(x, res, nw, 1e-6, gw, k, renorm)
+    torch.testing.assert_close(got[0], ref[0], rtol=1e-6, atol=1e-6)
+    torch.testing.assert_close(got[1], ref[1], rtol=0, atol=0)
+    assert torch.equal(got[2], ref[2])
+    torch.testing.assert_close(got[3], ref[3], rtol=1e-5, atol=1e-6)
+    assert not nrt._counters(x.device).any(), "a launch left an arrival counter set"
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_half_precision_picks_a_top_k(dtype):
+    t, h, e, k = 4, 128, 32, 4
+    x, res, nw, gw = _inputs(t, h, e, dtype, seed=1)
+    normed, new_res, ids, w = nrt.add_norm_router_triton(x, res, nw, 1e-6, gw, k, True,
+                                                         block_e=8)
+    ref_normed, ref_res, _, _ = add_norm_router_ref(x, res, nw, 1e-6, gw, k, True)
+    # one unit in the last place (the interpreter emulates bf16 rounding on numpy floats)
+    torch.testing.assert_close(new_res, ref_res)
+    torch.testing.assert_close(normed.float(), ref_normed.float(), rtol=3e-2, atol=1e-2)
+    logits = F.linear(normed.float(), gw.float())  # [T, E]
+    tol = 2e-2 * logits.abs().max()
+    for r in range(t):
+        picked = logits[r, ids[r]]
+        others = logits[r][~torch.isin(torch.arange(e), ids[r])]
+        assert picked.min() >= others.max() - tol, (r, ids[r])
+        assert torch.all(picked[:-1] >= picked[1:] - tol)  # descending
+    torch.testing.assert_close(w.sum(1), torch.ones(t), rtol=1e-5, atol=1e-5)
+
+
+def test_repeated_launches_agree():
+    """The counters a launch resets serve the next: same inputs, same result, twice over."""
+    x, res, nw, gw = _inputs(2, 64, 32)
+    a = nrt.add_norm_router_triton(x, res, nw, 1e-6, gw, 4, True, block_e=4)
+    b = nrt.add_norm_router_triton(x, res, nw, 1e-6, gw, 4, True, block_e=4)
+    for u, v in zip(a, b):
+        assert torch.equal(u, v)
+
+
+def test_public_entry_fuses_small_batches_and_splits_large_ones(monkeypatch):
+    calls = []
+    real = nrt.add_norm_router_triton
+    monkeypatch.setattr(nrt, "add_norm_router_triton",
+                        lambda *a, **kw: calls.append(a[0].shape[0]) or real(*a, **kw))
+    for t in (2, MAX_FUSED_TOKENS + 1):
+        x, res, nw, gw = _inputs(t, 64, 8, seed=t)
+        got = add_norm_router(x, res, nw, 1e-6, gw, 2, True)
+        ref = add_norm_router_ref(x, res, nw, 1e-6, gw, 2, True)
+        torch.testing.assert_close(got[0], ref[0], rtol=1e-6, atol=1e-6)
+        assert torch.equal(got[2], ref[2])
+        torch.testing.assert_close(got[3], ref[3], rtol=1e-5, atol=1e-6)
+    assert calls == [2]  # 65 rows ran the three separate launches
+
+
+@pytest.mark.parametrize("bad,match", [
+    (dict(t=MAX_FUSED_TOKENS + 1), "T=65"),
+    (dict(k=9), "top_k"),
+    (dict(gw_dtype=torch.float16), "router_weight"),
+    (dict(res_shape=(2, 32)), "residual"),
+    (dict(block_e=3), "block_e"),
+])
+def test_bad_arguments_raise(bad, match):
+    t = bad.get("t", 2)
+    x, res, nw, gw = _inputs(t, 64, 8)
+    if "gw_dtype" in bad:
+        gw = gw.to(bad["gw_dtype"])
+    if "res_shape" in bad:
+        res = torch.zeros(bad["res_shape"])
+    with pytest.raises(ValueError, match=match):
+        nrt.add_norm_router_triton(x, res, nw, 1e-6, gw, bad.get("k", 2), True,
+                                   block_e=bad.get("block_e"))
