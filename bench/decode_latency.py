@@ -66,6 +66,27 @@ def transformers_step_ms(cfg: dict, steps: int) -> float:
     return ms
 
 
+def graph_replay_ms(llm: LLM, batch: int, iters: int = 50) -> float | None:
+    """Milliseconds per replay of the decode graph a ``batch``-row step uses, replayed back to
+    back with no host work between (None without graphs). Slots are set to -1 first: the
+    replays write no KV (the last step's slots point into blocks freed since)."""
+    from epserve.worker.cuda_graphs import graph_batch
+
+    graphs = getattr(llm.runner, "graphs", None)
+    if graphs is None or graph_batch(batch) not in graphs._graphs:
+        return None
+    graph, _ = graphs._graphs[graph_batch(batch)]
+    graphs.slots.fill_(-1)
+    graph.replay()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(iters):
+        graph.replay()
+    end.record()
+    torch.cuda.synchronize()
+    return start.elapsed_time(end) / iters
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--layers", type=int, default=48)
@@ -102,17 +123,21 @@ def main(argv: list[str] | None = None) -> int:
         # the difference of two runs is args.steps decode steps: the prefill and the
         # per-generate costs cancel
         step_ms = (walls[1] - walls[0]) / args.steps * 1e3
-        rows.append((b, step_ms, b * 1e3 / step_ms))
+        rows.append((b, step_ms, b * 1e3 / step_ms, graph_replay_ms(llm, b)))
     print(f"\nmodel: Qwen3-30B-A3B shape, {args.layers} layers, random bf16, load {load_s:.1f} s; "
           f"HBM floor at batch 1: {floor_ms:.2f} ms ({active_bytes(cfg) / 1e9:.2f} GB)")
     if hf_ms is not None:
         print(f"transformers generate, batch 1, same run: {hf_ms:.2f} ms per token")
-    print("| batch | step ms | out tok/s | floor / step | transformers ms (batch 1) | speedup |")
-    print("|---:|---:|---:|---:|---:|---:|")
-    for b, ms, tps in rows:
+    print("(graph ms: the decode graph's replay alone, back to back: the step's GPU time "
+          "without the LM head, sampling and host work)")
+    print("| batch | step ms | graph ms | out tok/s | floor / step | transformers ms (batch 1) "
+          "| speedup |")
+    print("|---:|---:|---:|---:|---:|---:|---:|")
+    for b, ms, tps, g_ms in rows:
         hf = f"{hf_ms:.2f}" if hf_ms is not None and b == 1 else "-"
         ratio = f"{hf_ms / ms:.2f}x" if hf_ms is not None and b == 1 else "-"
-        print(f"| {b} | {ms:.2f} | {tps:.1f} | {floor_ms / ms:.3f} | {hf} | {ratio} |")
+        g = "-" if g_ms is None else f"{g_ms:.2f}"
+        print(f"| {b} | {ms:.2f} | {g} | {tps:.1f} | {floor_ms / ms:.3f} | {hf} | {ratio} |")
     return 0
 
 

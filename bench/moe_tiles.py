@@ -8,7 +8,12 @@ timed by replays, so launch cost from Python is left out; above (prefill, eager 
 it is timed eagerly. Reports the effective weight bandwidth (bytes of the experts the routing
 touches, 3 * H * I * 2 each, / time) and, for large T, TFLOP/s.
 
-    python bench/moe_tiles.py [--tokens 1 256 8192] [--wide]
+Every timed call routes to other experts than the call before (16 routings, each the first
+shifted by 8 experts, replayed in turn): in the model each layer's experts are cold in L2 (the
+layers between stream ~100 MB through it), and one routing replayed again and again would read
+part of its 75 MB from the 50 MB L2 instead (session 3's T=1 figure, 28 us, was that).
+
+    python bench/moe_tiles.py [--tokens 1 256 8192] [--wide] [--gemm 1 2]
 """
 
 from __future__ import annotations
@@ -24,6 +29,7 @@ from epserve.kernels.fused_moe_triton import (ALIGN_IN_KERNEL_MAX_PAIRS, MoeTile
                                               fused_moe_triton)
 
 H, I, E, K = 2048, 768, 128, 8
+ROUTINGS = 16
 
 
 def _events_ms(fn, iters: int) -> float:
@@ -60,7 +66,7 @@ def time_ms(fn, graph: bool, iters: int = 20) -> float:
 def gemm_space(t: int, wide: bool) -> list[tuple[int, int, int, int]]:
     """(n, k, warps, stages) candidates for one GEMM at T tokens (``wide``: a larger grid)."""
     if t <= 16:  # weight streaming: narrow tiles, deep K
-        ns, ks, stages = (16, 32, 64), (64, 128, 256), (3, 5)
+        ns, ks, stages = (16, 32, 64), (128, 256), (3, 4, 6)
     elif t <= 256:
         ns, ks, stages = (64, 128, 256), (64, 128), (2, 4)
     else:
@@ -74,6 +80,8 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--tokens", type=int, nargs="+", default=[1, 256, 8192])
     ap.add_argument("--wide", action="store_true", help="search more candidates per GEMM")
+    ap.add_argument("--gemm", nargs="+", default=["1", "2"], choices=["1", "2"],
+                    help="which GEMMs' tiles to search")
     args = ap.parse_args(argv)
     g = torch.Generator(device="cuda").manual_seed(0)
     w13 = (torch.randn(E, 2 * I, H, device="cuda", generator=g) / H ** 0.5).bfloat16()
@@ -84,6 +92,8 @@ def main(argv: list[str] | None = None) -> int:
         probs = torch.softmax(torch.randn(t, E, device="cuda", generator=g), -1)
         wts, ids = torch.topk(probs, K, dim=-1)
         wts = (wts / wts.sum(-1, keepdim=True)).float()
+        # each call other experts (when one call touches few: above, every call touches all)
+        routings = [(ids + 8 * r) % E for r in range(ROUTINGS if t * K <= 128 else 1)]
         touched = int(torch.unique(ids).numel())
         gbytes = touched * 3 * H * I * 2 / 1e9
         tflop = t * K * 3 * H * I * 2 / 1e12
@@ -91,7 +101,10 @@ def main(argv: list[str] | None = None) -> int:
 
         def timed(tiles: MoeTiles) -> float:
             try:
-                return time_ms(lambda: fused_moe_triton(x, w13, w2, ids, wts, tiles=tiles), graph)
+                def calls():
+                    for r in routings:
+                        fused_moe_triton(x, w13, w2, r, wts, tiles=tiles)
+                return time_ms(calls, graph) / len(routings)
             except Exception as exc:  # out of shared memory etc.: not a candidate
                 print(f"T={t} {tiles.describe()}: {type(exc).__name__}", file=sys.stderr)
                 return float("inf")
@@ -106,7 +119,7 @@ def main(argv: list[str] | None = None) -> int:
             ms, tried = timed(cand), tried + 1
             if ms < best_ms:
                 best, best_ms = cand, ms
-        for gemm in ("1", "2"):  # coordinates 2 and 3: each GEMM's tile and launch shape
+        for gemm in args.gemm:  # coordinates 2 and 3: each GEMM's tile and launch shape
             for n, k, w, s in gemm_space(t, args.wide):
                 cand = replace(best, **{f"block_n{gemm}": n, f"block_k{gemm}": k,
                                         f"warps{gemm}": w, f"stages{gemm}": s})

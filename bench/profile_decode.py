@@ -3,6 +3,7 @@ the Qwen3-30B-A3B shape (random bf16), top ops by self CUDA time and by self CPU
 
     python bench/profile_decode.py [--layers 8] [--steps 4] [--batch 1] [--enforce-eager]
     python bench/profile_decode.py --layers 48 --batch 32 --prompt-len 256 --steps 0  # prefill
+    python bench/profile_decode.py --layers 48 --steps 8 --decode-only  # decode steps alone
 """
 
 from __future__ import annotations
@@ -31,6 +32,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--prompt-len", type=int, default=16,
                     help="tokens per prompt; batch x prompt-len is one prefill step")
     ap.add_argument("--enforce-eager", action="store_true", help="profile without CUDA graphs")
+    ap.add_argument("--decode-only", action="store_true",
+                    help="per-kernel table of the decode steps alone (minus a prefill-only run)")
     args = ap.parse_args(argv)
     folder = Path(tempfile.mkdtemp())
     (folder / "config.json").write_text(json.dumps(dict(QWEN3_30B_A3B,
@@ -44,7 +47,6 @@ def main(argv: list[str] | None = None) -> int:
         return [{"prompt_token_ids": [(7 * i + j + shift) % 1000 + 5
                                       for j in range(args.prompt_len)]} for i in range(args.batch)]
 
-    prompt = prompts(0)
     llm.generate(prompts(500), SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True))
     torch.cuda.synchronize()
     t0 = time.perf_counter()  # the same work unprofiled (other prompts: no prefix hit)
@@ -52,17 +54,39 @@ def main(argv: list[str] | None = None) -> int:
                                               ignore_eos=True))
     torch.cuda.synchronize()
     wall_ms = (time.perf_counter() - t0) * 1e3
-    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
-        llm.generate(prompt, SamplingParams(temperature=0.0, max_tokens=args.steps + 1,
-                                            ignore_eos=True))
-        torch.cuda.synchronize()
-    ka = prof.key_averages()
-    print(ka.table(sort_by="self_cpu_time_total", row_limit=12, max_name_column_width=60))
-    print(ka.table(sort_by="self_cuda_time_total", row_limit=25, max_name_column_width=60))
-    cuda_us = sum(e.self_device_time_total for e in ka)
+
+    def kernels(max_tokens: int, shift: int = 0) -> dict[str, tuple[float, int]]:
+        """Self device us and calls per op name over one profiled generate."""
+        with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+            llm.generate(prompts(shift), SamplingParams(temperature=0.0, max_tokens=max_tokens,
+                                                ignore_eos=True))
+            torch.cuda.synchronize()
+        if not args.decode_only:
+            ka = prof.key_averages()
+            print(ka.table(sort_by="self_cpu_time_total", row_limit=12, max_name_column_width=60))
+            print(ka.table(sort_by="self_cuda_time_total", row_limit=25, max_name_column_width=60))
+        return {e.key: (e.self_device_time_total, e.count) for e in prof.key_averages()
+                if e.self_device_time_total > 0}
+
+    full = kernels(args.steps + 1)
+    cuda_us = sum(us for us, _ in full.values())
     print(f"unprofiled wall time of the same generate: {wall_ms:.2f} ms")
     print(f"total self CUDA time {cuda_us / 1e3:.2f} ms over {args.steps + 1} steps "
           f"(batch {args.batch}, prompt {args.prompt_len}, {args.layers} layers, graphs {'off' if args.enforce_eager else 'on'})")
+    if args.decode_only and args.steps > 0:  # the same generate minus a prefill-only one
+        base = kernels(1, shift=750)
+        rows = sorted(((us - base.get(k, (0, 0))[0], n - base.get(k, (0, 0))[1], k)
+                       for k, (us, n) in full.items()), reverse=True)
+        total = sum(r[0] for r in rows)
+        print(f"\nper decode step ({args.steps} steps; {total / args.steps / 1e3:.3f} ms of GPU "
+              f"time each; per layer: / {args.layers})")
+        print("| kernel | us per step | calls per step | us per call |")
+        print("|---|---:|---:|---:|")
+        for us, n, k in rows[:24]:
+            if us <= 0:
+                continue
+            print(f"| {k[:70]} | {us / args.steps:.1f} | {n / args.steps:.1f} | "
+                  f"{us / max(n, 1):.2f} |")
     return 0
 
 

@@ -93,13 +93,15 @@ def _counters(device: torch.device) -> torch.Tensor:
 
 def add_norm_router_triton(x: torch.Tensor, residual: torch.Tensor, norm_weight: torch.Tensor,
                            eps: float, router_weight: torch.Tensor, top_k: int,
-                           renormalize: bool, *, block_e: int | None = None):
+                           renormalize: bool, *, block_e: int | None = None,
+                           num_warps: int | None = None):
     """Triton ``add_norm_router_ref`` (same contract), one launch.
 
     x, residual: [T, H] contiguous, same dtype (fp32/fp16/bf16), T <= ``MAX_FUSED_TOKENS``;
     norm_weight: [H]; router_weight: [E, H] contiguous, x's dtype, E <= 512. Returns
     ``(normed [T, H], new_residual [T, H], topk_ids [T, K] int64, topk_weights [T, K] float32)``.
-    ``block_e`` overrides the router rows per program (a power of two). ValueError otherwise.
+    ``block_e`` overrides the router rows per program (a power of two), ``num_warps`` the warps
+    per program. ValueError otherwise.
     """
     name = "add_norm_router_triton"
     if x.dim() != 2 or residual.shape != x.shape or residual.dtype != x.dtype:
@@ -143,5 +145,6 @@ def add_norm_router_triton(x: torch.Tensor, residual: torch.Tensor, norm_weight:
         ids, weights, h, e, float(eps),
         NUM_BLOCKS=nb, TOP_K=top_k, RENORMALIZE=bool(renormalize), BLOCK_H=block_h,
         BLOCK_E=block_e, BLOCK_E_ALL=triton.next_power_of_2(e),
-        BLOCK_K=triton.next_power_of_2(top_k), num_warps=4 if block_h <= 2048 else 8)
+        BLOCK_K=triton.next_power_of_2(top_k),
+        num_warps=num_warps or (4 if block_h <= 2048 else 8))
     return normed, new_res, ids, weights

@@ -18,6 +18,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from epserve.kernels.attention import AttentionMetadata, paged_attention
+from epserve.kernels.linear import linear
 from epserve.kernels.moe import fused_moe
 from epserve.kernels.norm import fused_add_rms_norm, rms_norm
 from epserve.kernels.rope import apply_qk_norm_rope, apply_rope, build_rope_cache
@@ -88,7 +89,7 @@ class Attention(nn.Module):
                 rope: RotaryEmbedding) -> torch.Tensor:
         """x: [T, H]; kv_cache: ([NB, BS, Hkv, D], same). Writes this step's K/V; returns [T, H]."""
         t = x.shape[0]
-        qkv = self.qkv_proj(x)  # [T, (Hq + 2 Hkv) D]
+        qkv = linear(x, self.qkv_proj.weight)  # [T, (Hq + 2 Hkv) D]; one row: Triton GEMV
         qs, ks = self.q_size, self.kv_size
         q = qkv[:, :qs].view(t, self.num_heads, self.head_dim)  # [T, Hq, D] views
         k = qkv[:, qs:qs + ks].view(t, self.num_kv_heads, self.head_dim)  # [T, Hkv, D]
@@ -103,7 +104,7 @@ class Attention(nn.Module):
                                   v=v, k_cache=k_cache, v_cache=v_cache,
                                   slot_mapping=meta.slot_mapping)
         out = paged_attention(q, k_cache, v_cache, meta, self.scale, self.sliding_window)
-        return self.o_proj(out.reshape(t, self.num_heads * self.head_dim))  # [T, H]
+        return linear(out.reshape(t, self.num_heads * self.head_dim), self.o_proj.weight)  # [T, H]
 
 
 # --------------------------------------------------------------------------- MoE and MLP
