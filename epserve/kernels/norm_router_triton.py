@@ -29,7 +29,10 @@ from epserve.kernels.router_triton import softmax_topk_tile
 from epserve.kernels.wrapper_checks import check_devices
 
 MAX_H = 8192
-_W_TILE_ELEMS = 8192  # BLOCK_E * BLOCK_H per program: ~16 KB of bf16 router rows at H=2048
+# BLOCK_E * BLOCK_H per program: 2 router rows (8 KB bf16) at H=2048, 64 programs of one warp.
+# Cold-L2 sweep on the H200 (2026-12-03, H=2048, E=128): block_e 2 / 1 warp 6.7 us; 4 / 4
+# warps 10.5 us; 8 / 4 warps 12.0 us; more warps per program only add cross-warp reductions.
+_W_TILE_ELEMS = 4096
 _DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 _COUNTERS: dict[torch.device, torch.Tensor] = {}
 
@@ -146,5 +149,5 @@ def add_norm_router_triton(x: torch.Tensor, residual: torch.Tensor, norm_weight:
         NUM_BLOCKS=nb, TOP_K=top_k, RENORMALIZE=bool(renormalize), BLOCK_H=block_h,
         BLOCK_E=block_e, BLOCK_E_ALL=triton.next_power_of_2(e),
         BLOCK_K=triton.next_power_of_2(top_k),
-        num_warps=num_warps or (4 if block_h <= 2048 else 8))
+        num_warps=num_warps or (1 if block_h <= 2048 else 4))
     return normed, new_res, ids, weights
