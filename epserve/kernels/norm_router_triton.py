@@ -39,8 +39,8 @@ _COUNTERS: dict[torch.device, torch.Tensor] = {}
 
 @triton.jit
 def _norm_router_kernel(x_ptr, r_ptr, nw_ptr, gw_ptr, out_ptr, res_out_ptr, logits_ptr,
-                        count_ptr, ids_ptr, weights_ptr, H, E, eps,
-                        NUM_BLOCKS: tl.constexpr, TOP_K: tl.constexpr,
+                        count_ptr, ids_ptr, weights_ptr, slots_ptr, H, E, eps,
+                        HAS_SLOTS: tl.constexpr, NUM_BLOCKS: tl.constexpr, TOP_K: tl.constexpr,
                         RENORMALIZE: tl.constexpr, BLOCK_H: tl.constexpr,
                         BLOCK_E: tl.constexpr, BLOCK_E_ALL: tl.constexpr,
                         BLOCK_K: tl.constexpr):
@@ -76,6 +76,10 @@ def _norm_router_kernel(x_ptr, r_ptr, nw_ptr, gw_ptr, out_ptr, res_out_ptr, logi
                       other=float("-inf"), volatile=True)  # [1, BLOCK_E_ALL]
         out_i, out_w = softmax_topk_tile(row, col_ok, TOP_K, RENORMALIZE, 1, BLOCK_E_ALL,
                                          BLOCK_K)
+        if HAS_SLOTS:  # a padding row (slot < 0) routes nowhere: id -1, weight 0
+            keep = (tl.load(slots_ptr + t) >= 0).to(tl.int32)
+            out_i = out_i * keep + (keep - 1)
+            out_w = out_w * keep.to(tl.float32)
         kk = tl.arange(0, BLOCK_K)
         k_ok = kk[None, :] < TOP_K
         tl.store(ids_ptr + t * TOP_K + kk[None, :], out_i.to(tl.int64), mask=k_ok)
@@ -96,13 +100,15 @@ def _counters(device: torch.device) -> torch.Tensor:
 
 def add_norm_router_triton(x: torch.Tensor, residual: torch.Tensor, norm_weight: torch.Tensor,
                            eps: float, router_weight: torch.Tensor, top_k: int,
-                           renormalize: bool, *, block_e: int | None = None,
-                           num_warps: int | None = None):
+                           renormalize: bool, *, row_slots: torch.Tensor | None = None,
+                           block_e: int | None = None, num_warps: int | None = None):
     """Triton ``add_norm_router_ref`` (same contract), one launch.
 
     x, residual: [T, H] contiguous, same dtype (fp32/fp16/bf16), T <= ``MAX_FUSED_TOKENS``;
     norm_weight: [H]; router_weight: [E, H] contiguous, x's dtype, E <= 512. Returns
     ``(normed [T, H], new_residual [T, H], topk_ids [T, K] int64, topk_weights [T, K] float32)``.
+    ``row_slots`` ([T] int, each row's KV slot): a row with a negative slot is padding and gets
+    ids -1 and weights 0, so the MoE reads no expert for it (its output is never read).
     ``block_e`` overrides the router rows per program (a power of two), ``num_warps`` the warps
     per program. ValueError otherwise.
     """
@@ -127,7 +133,12 @@ def add_norm_router_triton(x: torch.Tensor, residual: torch.Tensor, norm_weight:
     if not (x.is_contiguous() and residual.is_contiguous() and router_weight.is_contiguous()
             and norm_weight.is_contiguous()):
         raise ValueError(f"{name}: x, residual, norm_weight and router_weight must be contiguous")
-    check_devices(name, [x, residual, norm_weight, router_weight], _INTERPRETED,
+    if row_slots is not None and (row_slots.shape != (t,) or row_slots.dtype not in
+                                  (torch.int32, torch.int64)):
+        raise ValueError(f"{name}: row_slots {tuple(row_slots.shape)} {row_slots.dtype} must be "
+                         f"[{t}] int32 or int64")
+    check_devices(name, [x, residual, norm_weight, router_weight]
+                  + ([] if row_slots is None else [row_slots]), _INTERPRETED,
                   "epserve.kernels.norm_router_triton")
     block_h = triton.next_power_of_2(h)
     if block_e is None:
@@ -145,8 +156,8 @@ def add_norm_router_triton(x: torch.Tensor, residual: torch.Tensor, norm_weight:
     nb = triton.cdiv(e, block_e)
     _norm_router_kernel[(t, nb)](
         x, residual, norm_weight, router_weight, normed, new_res, logits, _counters(dev),
-        ids, weights, h, e, float(eps),
-        NUM_BLOCKS=nb, TOP_K=top_k, RENORMALIZE=bool(renormalize), BLOCK_H=block_h,
+        ids, weights, ids if row_slots is None else row_slots, h, e, float(eps),
+        HAS_SLOTS=row_slots is not None, NUM_BLOCKS=nb, TOP_K=top_k, RENORMALIZE=bool(renormalize), BLOCK_H=block_h,
         BLOCK_E=block_e, BLOCK_E_ALL=triton.next_power_of_2(e),
         BLOCK_K=triton.next_power_of_2(top_k),
         num_warps=num_warps or (1 if block_h <= 2048 else 4))

@@ -87,9 +87,12 @@ def add_norm_router_ref(x: torch.Tensor, residual: torch.Tensor, norm_weight: to
 
 
 def add_norm_router(x: torch.Tensor, residual: torch.Tensor, norm_weight: torch.Tensor,
-                    eps: float, router_weight: torch.Tensor, top_k: int, renormalize: bool):
+                    eps: float, router_weight: torch.Tensor, top_k: int, renormalize: bool,
+                    row_slots: torch.Tensor | None = None):
     """Public entry for ``add_norm_router_ref`` (same contract). x, residual: [T, H];
-    norm_weight: [H]; router_weight: [E, H].
+    norm_weight: [H]; router_weight: [E, H]. ``row_slots`` ([T], each row's KV slot) marks
+    padding rows (slot < 0): their routing is unspecified (their output is never read); the
+    fused launch gives them no expert (ids -1, weights 0), which the fused MoE skips.
 
     Up to ``MAX_FUSED_TOKENS`` rows on CUDA (or under ``TRITON_INTERPRET=1``) it is one
     Triton launch (``norm_router_triton``: decode steps); larger batches, other dtypes or
@@ -109,7 +112,8 @@ def add_norm_router(x: torch.Tensor, residual: torch.Tensor, norm_weight: torch.
             add_norm_router_triton = None
         if add_norm_router_triton is not None:
             return add_norm_router_triton(x, residual, norm_weight.contiguous(), eps,
-                                          router_weight.contiguous(), top_k, renormalize)
+                                          router_weight.contiguous(), top_k, renormalize,
+                                          row_slots=row_slots)
     normed, new_res = fused_add_rms_norm(x, residual, norm_weight, eps)
     ids, weights = topk_softmax(F.linear(normed, router_weight), top_k, renormalize)
     return normed, new_res, ids, weights

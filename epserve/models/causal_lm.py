@@ -40,7 +40,8 @@ class DecoderLayer(nn.Module):
             hidden, residual = self.input_layernorm(hidden, residual)
         hidden = self.self_attn(positions, hidden, kv_cache, meta, rope)  # [T, H]
         if isinstance(self.ffn, SparseMoeBlock):  # its router fuses with the pre-norm
-            return self.ffn.forward_prenorm(hidden, residual, self.post_attention_layernorm)
+            return self.ffn.forward_prenorm(hidden, residual, self.post_attention_layernorm,
+                                            meta.slot_mapping)
         hidden, residual = self.post_attention_layernorm(hidden, residual)
         return self.ffn(hidden), residual  # [T, H], [T, H]
 

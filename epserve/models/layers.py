@@ -164,14 +164,17 @@ class SparseMoeBlock(nn.Module):
         topk_ids, topk_weights = self.gate(x)  # [T, K], [T, K]
         return self._experts(x, topk_ids, topk_weights)
 
-    def forward_prenorm(self, x: torch.Tensor, residual: torch.Tensor,
-                        norm: RMSNorm) -> tuple[torch.Tensor, torch.Tensor]:
+    def forward_prenorm(self, x: torch.Tensor, residual: torch.Tensor, norm: RMSNorm,
+                        row_slots: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """``forward(norm(x, residual))`` with the residual add, the norm and the router in one
-        launch at decode sizes (``add_norm_router``). x, residual: [T, H]. Returns
-        ``(moe output, new residual)``, both [T, H]."""
+        launch at decode sizes (``add_norm_router``). x, residual: [T, H]; row_slots: [T] KV
+        slots (a negative slot marks a padding row of a CUDA graph: on one rank it may route
+        to no expert, its output is never read). Returns ``(moe output, new residual)``."""
+        if self.parallel.world_size > 1:  # the EP exchange dispatches every row by its ids
+            row_slots = None
         hidden, residual, topk_ids, topk_weights = add_norm_router(
             x, residual, norm.weight, norm.eps, self.gate.weight, self.gate.top_k,
-            self.gate.renormalize)
+            self.gate.renormalize, row_slots)
         return self._experts(hidden, topk_ids, topk_weights), residual
 
     def _experts(self, x: torch.Tensor, topk_ids: torch.Tensor,

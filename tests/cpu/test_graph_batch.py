@@ -8,8 +8,13 @@ from epserve.worker.cuda_graphs import ABOVE_LADDER_STEP, graph_batch
 
 
 def test_on_the_ladder_it_is_padded_batch_n():
-    for n in range(1, DECODE_BATCH_LADDER[-1] + 1):
+    for n in range(2, DECODE_BATCH_LADDER[-1] + 1):
         assert graph_batch(n) == padded_batch_n(n) >= n
+
+
+def test_one_row_is_not_padded():
+    """A padding row would route to its own experts: one row replays a one-row graph."""
+    assert padded_batch_n(1) == 2 and graph_batch(1) == 1
 
 
 def test_above_the_ladder_it_pads_to_the_next_step():

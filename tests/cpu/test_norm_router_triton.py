@@ -138,3 +138,32 @@ def test_bad_arguments_raise(bad, match):
     with pytest.raises(ValueError, match=match):
         nrt.add_norm_router_triton(x, res, nw, 1e-6, gw, bad.get("k", 2), True,
                                    block_e=bad.get("block_e"))
+
+
+def test_padding_rows_route_nowhere_and_the_moe_skips_them():
+    """Rows whose KV slot is negative (a CUDA graph's padding) get ids -1 and weights 0; the
+    other rows are routed as without slots, and the fused MoE gives the padding rows zeros."""
+    from interp import import_interpreted
+
+    t, h, e, k = 5, 64, 16, 4
+    x, res, nw, gw = _inputs(t, h, e, seed=5)
+    slots = torch.tensor([7, -1, 12, -1, 3])
+    got = nrt.add_norm_router_triton(x, res, nw, 1e-6, gw, k, True, row_slots=slots, block_e=4)
+    ref = add_norm_router_ref(x, res, nw, 1e-6, gw, k, True)
+    assert got[2][1].tolist() == [-1] * k and got[3][1].tolist() == [0.0] * k
+    for r in (0, 2, 4):
+        assert torch.equal(got[2][r], ref[2][r])
+        torch.testing.assert_close(got[3][r], ref[3][r], rtol=1e-5, atol=1e-6)
+    fm = import_interpreted("epserve.kernels.fused_moe_triton")
+    from epserve.kernels.moe import fused_moe_ref
+
+    g = torch.Generator().manual_seed(6)
+    w13, w2 = torch.randn(e, 2 * 8, h, generator=g) / 8, torch.randn(e, h, 8, generator=g) / 4
+    for rows in (1, 5):  # pair blocks (<= 16 pairs) and the aligned layout (20 pairs)
+        xs = got[0][:rows] if rows == 1 else got[0]
+        ids = got[2][1:2] if rows == 1 else got[2]
+        wts = got[3][1:2] if rows == 1 else got[3]
+        out = fm.fused_moe_triton(xs, w13, w2, ids, wts)
+        torch.testing.assert_close(out, fused_moe_ref(xs, w13, w2, ids, wts), rtol=1e-5, atol=1e-5)
+        pads = [0] if rows == 1 else [1, 3]
+        assert not out[pads].any()

@@ -1,7 +1,7 @@
 """Decode CUDA graphs (skipped without a GPU): what a user sees is unchanged by them.
 
 - Greedy and seeded-random outputs with graphs equal ``enforce_eager=True`` outputs, for batch
-  sizes on a rung (4), between rungs (3, 5), a single row (padded to rung 2) and above the
+  sizes on a rung (4), between rungs (3, 5), a single row (its own one-row graph) and above the
   ladder's top (130 rows: the 160-row graph), with requests finishing at different steps so
   the batch walks down the ladder.
 - Padded rows write no KV: after a run, every KV block no sequence ever held is still zero.
