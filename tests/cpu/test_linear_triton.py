@@ -8,7 +8,6 @@ fp16 within one unit in the last place of the output scale.
 from __future__ import annotations
 
 import importlib.util
-import os
 import sys
 
 import pytest
@@ -16,18 +15,12 @@ import pytest
 if importlib.util.find_spec("triton") is None:
     pytest.skip("triton is not installed", allow_module_level=True)
 
+from interp import import_interpreted  # noqa: E402
+
 _MOD = "epserve.kernels.linear_triton"
-_prev = os.environ.get("TRITON_INTERPRET")
-os.environ["TRITON_INTERPRET"] = "1"
-try:
-    sys.modules.pop(_MOD, None)
-    from epserve.kernels import linear_triton as lt  # noqa: E402
-finally:
-    if _prev is None:
-        del os.environ["TRITON_INTERPRET"]
-    else:
-        os.environ["TRITON_INTERPRET"] = _prev
-    sys.modules.pop(_MOD, None)
+sys.modules.pop(_MOD, None)  # a fresh interpreted copy, dropped again after the import
+lt = import_interpreted(_MOD)
+sys.modules.pop(_MOD, None)
 
 import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402

@@ -12,7 +12,6 @@ zero after each launch (the next launch, or a graph replay, starts clean).
 from __future__ import annotations
 
 import importlib.util
-import os
 import sys
 
 import pytest
@@ -20,21 +19,15 @@ import pytest
 if importlib.util.find_spec("triton") is None:
     pytest.skip("triton is not installed", allow_module_level=True)
 
+from interp import import_interpreted  # noqa: E402
+
 _MODS = ("epserve.kernels.router_triton", "epserve.kernels.norm_router_triton")
-_prev = os.environ.get("TRITON_INTERPRET")
-os.environ["TRITON_INTERPRET"] = "1"
-try:
-    for _m in _MODS:
-        sys.modules.pop(_m, None)
-    from epserve.kernels import norm_router_triton as nrt  # noqa: E402
-    from epserve.kernels import router_triton as rt  # noqa: E402
-finally:
-    if _prev is None:
-        del os.environ["TRITON_INTERPRET"]
-    else:
-        os.environ["TRITON_INTERPRET"] = _prev
-    for _m in _MODS:
-        sys.modules.pop(_m, None)
+for _m in _MODS:  # fresh interpreted copies, dropped again so a CUDA import compiles for real
+    sys.modules.pop(_m, None)
+rt = import_interpreted(_MODS[0])
+nrt = import_interpreted(_MODS[1])
+for _m in _MODS:
+    sys.modules.pop(_m, None)
 
 import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
