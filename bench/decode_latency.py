@@ -1,8 +1,9 @@
 """Batch-1 (and batch-B) decode step time of epserve on one GPU, random bf16 weights.
 
-Shapes default to Qwen3-30B-A3B. The step time is steady-state decode: the wall time of a
-generate with 2S+1 new tokens minus one with S+1, divided by S (prefill and per-call costs
-cancel); each length runs ``--repeats`` times and the fastest counts. With
+Shapes default to Qwen3-30B-A3B. The step time is steady-state decode: the median wall time
+of the decode steps of ``--repeats`` generates of S+1 tokens (each step timed from the
+engine's previous step return to its own: host work, graph replay, LM head, sampling and the
+token copy back; the prefill step left out), with the 90th percentile beside it. With
 ``--with-transformers`` the same config (random bf16) runs through transformers ``generate`` at
 batch 1 first, in the same process, and the table gets its step time and the ratio. Prints a
 table last.
@@ -67,17 +68,44 @@ def transformers_step_ms(cfg: dict, steps: int) -> float:
     return ms
 
 
+def decode_step_ms(llm: LLM, prompts: list[dict], steps: int) -> list[float]:
+    """The wall time of each decode step of one generate of ``steps + 1`` tokens per prompt:
+    the intervals between the engine's step returns after the first (the prefill step). Each
+    step ends in the sampled tokens' device-to-host copy, so an interval is a whole step."""
+    ends: list[float] = []
+    step = llm.engine.step
+
+    def timed(*a, **kw):
+        out = step(*a, **kw)
+        ends.append(time.perf_counter())
+        return out
+
+    llm.engine.step = timed
+    try:
+        llm.generate(prompts, SamplingParams(temperature=0.0, max_tokens=steps + 1,
+                                             ignore_eos=True))
+    finally:
+        del llm.engine.step  # back to the class's method
+    return [(b - a) * 1e3 for a, b in zip(ends, ends[1:])]
+
+
 def graph_replay_ms(llm: LLM, batch: int, iters: int = 50) -> float | None:
     """Milliseconds per replay of the decode graph a ``batch``-row step uses, replayed back to
-    back with no host work between (None without graphs). Slots are set to -1 first: the
-    replays write no KV (the last step's slots point into blocks freed since)."""
+    back with no host work between (None without graphs). Every row writes its KV into blocks
+    taken from the pool for the measurement (a negative slot would make it a padding row,
+    which routes to no expert), freed afterwards."""
     from epserve.worker.cuda_graphs import graph_batch
 
-    graphs = getattr(llm.runner, "graphs", None)
-    if graphs is None or graph_batch(batch) not in graphs._graphs:
+    runner = llm.runner
+    graphs = getattr(runner, "graphs", None)
+    b = graph_batch(batch)
+    if graphs is None or b not in graphs._graphs:
         return None
-    graph, _ = graphs._graphs[graph_batch(batch)]
-    graphs.slots.fill_(-1)
+    graph, _ = graphs._graphs[b]
+    blocks = runner.pool.allocate(-(-b // runner.block_size))
+    slots = [blocks[i // runner.block_size] * runner.block_size + i % runner.block_size
+             for i in range(b)]
+    graphs.slots[:b].copy_(torch.tensor(slots, dtype=torch.int64))
     graph.replay()
     start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
     start.record()
@@ -85,6 +113,7 @@ def graph_replay_ms(llm: LLM, batch: int, iters: int = 50) -> float | None:
         graph.replay()
     end.record()
     torch.cuda.synchronize()
+    runner.pool.free(blocks)
     return start.elapsed_time(end) / iters
 
 
@@ -95,7 +124,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--steps", type=int, default=32)
     ap.add_argument("--hbm-gbps", type=float, default=4251.0, help="measured d2d copy GB/s")
     ap.add_argument("--with-transformers", action="store_true")
-    ap.add_argument("--repeats", type=int, default=3, help="runs per length; the fastest counts")
+    ap.add_argument("--repeats", type=int, default=3, help="generates per batch size")
     args = ap.parse_args(argv)
     cfg = dict(QWEN3_30B_A3B, num_hidden_layers=args.layers)
     hf_ms = transformers_step_ms(cfg, args.steps) if args.with_transformers else None
@@ -110,41 +139,31 @@ def main(argv: list[str] | None = None) -> int:
     for b in args.batch:
         prompts = [{"prompt_token_ids": [(7 * i + j) % 1000 + 5 for j in range(16)]}
                    for i in range(b)]
-        warm = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True)
-        llm.generate(prompts, warm)
-        walls = []
-        for n_out in (args.steps + 1, 2 * args.steps + 1):  # new prompts each: no prefix hit
-            ps = [{"prompt_token_ids": [t + n_out for t in p["prompt_token_ids"]]}
+        llm.generate(prompts, SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True))
+        steps_ms: list[float] = []
+        for rep in range(args.repeats):  # new prompts each: no prefix hit
+            ps = [{"prompt_token_ids": [t + 1000 * (rep + 1) for t in p["prompt_token_ids"]]}
                   for p in prompts]
-            sp = SamplingParams(temperature=0.0, max_tokens=n_out, ignore_eos=True)
-            best = float("inf")
-            for rep in range(args.repeats):  # the fastest of a few: host hiccups excluded
-                rp = [{"prompt_token_ids": [t + 2000 * rep for t in p["prompt_token_ids"]]}
-                      for p in ps]
-                torch.cuda.synchronize()
-                t = time.perf_counter()
-                llm.generate(rp, sp)
-                torch.cuda.synchronize()
-                best = min(best, time.perf_counter() - t)
-            walls.append(best)
-        # the difference of two runs is args.steps decode steps: the prefill and the
-        # per-generate costs cancel
-        step_ms = (walls[1] - walls[0]) / args.steps * 1e3
-        rows.append((b, step_ms, b * 1e3 / step_ms, graph_replay_ms(llm, b)))
+            steps_ms += decode_step_ms(llm, ps, args.steps)
+        steps_ms.sort()
+        med, p90 = steps_ms[len(steps_ms) // 2], steps_ms[int(len(steps_ms) * 0.9)]
+        rows.append((b, med, p90, b * 1e3 / med, graph_replay_ms(llm, b)))
     print(f"\nmodel: Qwen3-30B-A3B shape, {args.layers} layers, random bf16, load {load_s:.1f} s; "
           f"HBM floor at batch 1: {floor_ms:.2f} ms ({active_bytes(cfg) / 1e9:.2f} GB)")
     if hf_ms is not None:
         print(f"transformers generate, batch 1, same run: {hf_ms:.2f} ms per token")
-    print("(graph ms: the decode graph's replay alone, back to back: the step's GPU time "
-          "without the LM head, sampling and host work)")
-    print("| batch | step ms | graph ms | out tok/s | floor / step | transformers ms (batch 1) "
-          "| speedup |")
-    print("|---:|---:|---:|---:|---:|---:|---:|")
-    for b, ms, tps, g_ms in rows:
+    print("(step ms: median and 90th percentile of the decode steps' wall times; graph ms: the "
+          "decode graph's replay alone, back to back: the step's GPU time without the LM head, "
+          "sampling and host work)")
+    print("| batch | step ms | p90 ms | graph ms | out tok/s | floor / step "
+          "| transformers ms (batch 1) | speedup |")
+    print("|---:|---:|---:|---:|---:|---:|---:|---:|")
+    for b, ms, p90, tps, g_ms in rows:
         hf = f"{hf_ms:.2f}" if hf_ms is not None and b == 1 else "-"
         ratio = f"{hf_ms / ms:.2f}x" if hf_ms is not None and b == 1 else "-"
         g = "-" if g_ms is None else f"{g_ms:.2f}"
-        print(f"| {b} | {ms:.2f} | {g} | {tps:.1f} | {floor_ms / ms:.3f} | {hf} | {ratio} |")
+        print(f"| {b} | {ms:.2f} | {p90:.2f} | {g} | {tps:.1f} | {floor_ms / ms:.3f} | {hf} "
+              f"| {ratio} |")
     return 0
 
 
