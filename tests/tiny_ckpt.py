@@ -72,3 +72,47 @@ def make_tiny_checkpoint(arch: str, out_dir: str | Path, *, seed: int = 0, shard
     max_shard = "40KB" if sharded else "2GB"
     model.save_pretrained(out, safe_serialization=True, max_shard_size=max_shard)
     return out
+
+
+#: The trained checkpoint's task: every token in [SUCC_LO, SUCC_HI) is followed by the next one
+#: (the last by the first).
+SUCC_LO, SUCC_HI = 3, 300
+
+
+def make_trained_checkpoint(arch: str, out_dir: str | Path, *, steps: int = 300, seed: int = 0,
+                            dtype: torch.dtype = torch.bfloat16,
+                            **config_overrides: Any) -> Path:
+    """A tiny ``arch`` checkpoint trained for ``steps`` Adam steps on CPU (seconds) to continue
+    each token with its successor in ``[SUCC_LO, SUCC_HI)``, saved in ``dtype``.
+
+    Random tiny models sit near ties everywhere (one bf16 rounding flips a greedy pick, and
+    every later token with it); a trained model's picks mostly have wide margins. On this one a
+    bf16 path and an fp32 path agree unless one of them computes something else. Deterministic
+    for a given ``seed``. Returns the folder.
+    """
+    from transformers import AutoModelForCausalLM
+
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    cfg = tiny_config(arch, **{"initializer_range": 0.02, **config_overrides})
+    rng_state = torch.random.get_rng_state()
+    try:
+        torch.manual_seed(seed)
+        model = AutoModelForCausalLM.from_config(cfg, dtype=torch.float32).train()
+        opt = torch.optim.AdamW(model.parameters(), lr=3e-3, weight_decay=0.0)
+        span = SUCC_HI - SUCC_LO
+        for _ in range(steps):
+            start = torch.randint(0, span, (64, 1))
+            ids = SUCC_LO + (start + torch.arange(25)) % span  # [64, 25] successor chains
+            loss = model(input_ids=ids, labels=ids).loss
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+    finally:
+        torch.random.set_rng_state(rng_state)
+    model.eval()
+    if dtype != torch.float32:
+        model = model.to(dtype)
+        model.config.torch_dtype = dtype
+    model.save_pretrained(out, safe_serialization=True)
+    return out

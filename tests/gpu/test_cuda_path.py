@@ -1,5 +1,6 @@
 """The CUDA path (skipped without a GPU): fp32 on the GPU equals transformers; bf16 on the GPU
-agrees with the CPU fp32 path on >= 99% of the first 64 greedy tokens over 32 prompts."""
+agrees with the CPU fp32 path on >= 99% of the first 64 greedy tokens over 32 prompts of a
+trained tiny checkpoint (on random ones no bf16 path can: see the xfail below)."""
 
 from __future__ import annotations
 
@@ -67,11 +68,33 @@ def test_bf16_teacher_forced_agrees_with_cpu_fp32_like_transformers(bf16_ckpt):
                    "(mixtral), transformers' own bf16 36% / 25% on the same bf16-saved weights; "
                    "one early near-tie flip changes every later token of a random model")
 def test_bf16_on_cuda_agrees_with_cpu_fp32(bf16_ckpt):
+    same, total = _free_running_agreement(bf16_ckpt)
+    print(f"bf16 cuda vs fp32 cpu: {same}/{total} = {same / total:.4f}")
+    assert same / total >= 0.99
+
+
+def _free_running_agreement(path) -> tuple[int, int]:
+    """(positions where the bf16 GPU greedy continuation equals the fp32 CPU one, positions)
+    over 32 prompts x 64 tokens."""
     prompts = _prompts()
-    ref = _fp32_cpu_greedy(bf16_ckpt, prompts)
-    got = LLM(model=str(bf16_ckpt), dtype="bfloat16", device="cuda",
+    ref = _fp32_cpu_greedy(path, prompts)
+    got = LLM(model=str(path), dtype="bfloat16", device="cuda",
               num_kv_blocks=2048).generate([{"prompt_token_ids": p} for p in prompts], _greedy())
     same = sum(x == y for a, o in zip(ref, got) for x, y in zip(a, o.outputs[0].token_ids))
-    total = sum(len(a) for a in ref)
-    print(f"bf16 cuda vs fp32 cpu: {same}/{total} = {same / total:.4f}")
+    return same, sum(len(a) for a in ref)
+
+
+@pytest.fixture(scope="module", params=["qwen3_moe", "mixtral"])
+def trained_ckpt(request, tmp_path_factory):
+    """A tiny checkpoint trained on CPU (seconds) to continue every token with its successor,
+    saved in bf16: its greedy picks have the wide margins a trained model's mostly have."""
+    from tiny_ckpt import make_trained_checkpoint
+
+    return make_trained_checkpoint(request.param, tmp_path_factory.mktemp(request.param))
+
+
+def test_bf16_on_cuda_agrees_with_cpu_fp32_on_a_trained_checkpoint(trained_ckpt):
+    """The issue's bar: >= 99% of the first 64 greedy tokens over 32 prompts."""
+    same, total = _free_running_agreement(trained_ckpt)
+    print(f"trained checkpoint, bf16 cuda vs fp32 cpu: {same}/{total} = {same / total:.4f}")
     assert same / total >= 0.99
