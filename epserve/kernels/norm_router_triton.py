@@ -157,8 +157,8 @@ def add_norm_router_triton(x: torch.Tensor, residual: torch.Tensor, norm_weight:
     _norm_router_kernel[(t, nb)](
         x, residual, norm_weight, router_weight, normed, new_res, logits, _counters(dev),
         ids, weights, ids if row_slots is None else row_slots, h, e, float(eps),
-        HAS_SLOTS=row_slots is not None, NUM_BLOCKS=nb, TOP_K=top_k, RENORMALIZE=bool(renormalize), BLOCK_H=block_h,
-        BLOCK_E=block_e, BLOCK_E_ALL=triton.next_power_of_2(e),
+        HAS_SLOTS=row_slots is not None, NUM_BLOCKS=nb, TOP_K=top_k,
+        RENORMALIZE=bool(renormalize), BLOCK_H=block_h, BLOCK_E=block_e, BLOCK_E_ALL=triton.next_power_of_2(e),
         BLOCK_K=triton.next_power_of_2(top_k),
         num_warps=num_warps or (1 if block_h <= 2048 else 4))
     return normed, new_res, ids, weights

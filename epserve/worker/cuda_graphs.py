@@ -1,10 +1,10 @@
-"""Decode forwards captured as CUDA graphs, one per rung of ``DECODE_BATCH_LADDER``.
+"""Decode forwards captured as CUDA graphs: one row, then one per rung of ``DECODE_BATCH_LADDER``.
 
 A pure decode step of ``n`` rows replays the graph of rung ``padded_batch_n(n)`` (one row: a
 graph of its own, see ``graph_batch``): the step's inputs are copied into the graph's static
-buffers, rows ``n..rung`` are padding. Invariants
-(the seed's): a padded row has KV slot -1 (it writes no KV) and length 1 (it reads one KV
-position of block 0, harmlessly), and its hidden state is never read. Above the ladder's top
+buffers, rows ``n..rung`` are padding. Invariants (the seed's): a padded row has KV slot -1 (it
+writes no KV) and length 1 (it reads one KV position of block 0, harmlessly), and its hidden
+state is never read; on one rank the fused router also gives it no expert (slot < 0). Above the ladder's top
 rung (128), where ``padded_batch_n`` pads nothing, graphs are captured every
 ``ABOVE_LADDER_STEP`` rows up to ``max_batch`` (a step pads to the next of those: the same
 padding rules; without them a 256-row decode step would pay the host's launch cost of every
