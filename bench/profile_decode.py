@@ -4,6 +4,7 @@ the Qwen3-30B-A3B shape (random bf16), top ops by self CUDA time and by self CPU
     python bench/profile_decode.py [--layers 8] [--steps 4] [--batch 1] [--enforce-eager]
     python bench/profile_decode.py --layers 48 --batch 32 --prompt-len 256 --steps 0  # prefill
     python bench/profile_decode.py --layers 48 --steps 8 --decode-only  # decode steps alone
+    python bench/profile_decode.py --layers 48 --steps 64 --host  # Python time per step
 """
 
 from __future__ import annotations
@@ -34,6 +35,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--enforce-eager", action="store_true", help="profile without CUDA graphs")
     ap.add_argument("--decode-only", action="store_true",
                     help="per-kernel table of the decode steps alone (minus a prefill-only run)")
+    ap.add_argument("--host", action="store_true",
+                    help="cProfile of one generate instead: where the host's time per step goes")
     args = ap.parse_args(argv)
     folder = Path(tempfile.mkdtemp())
     (folder / "config.json").write_text(json.dumps(dict(QWEN3_30B_A3B,
@@ -68,6 +71,8 @@ def main(argv: list[str] | None = None) -> int:
         return {e.key: (e.self_device_time_total, e.count) for e in prof.key_averages()
                 if e.self_device_time_total > 0}
 
+    if args.host:
+        return host_profile(llm, prompts(900), args.steps, wall_ms)
     full = kernels(args.steps + 1)
     cuda_us = sum(us for us, _ in full.values())
     print(f"unprofiled wall time of the same generate: {wall_ms:.2f} ms")
@@ -87,6 +92,29 @@ def main(argv: list[str] | None = None) -> int:
                 continue
             print(f"| {k[:70]} | {us / args.steps:.1f} | {n / args.steps:.1f} | "
                   f"{us / max(n, 1):.2f} |")
+    return 0
+
+
+def host_profile(llm: LLM, prompts: list[dict], steps: int, wall_ms: float) -> int:
+    """cProfile one generate of ``steps + 1`` tokens; top functions by own time per step. The
+    wait for the GPU shows up in the one host sync (``tolist``); the rest is host work."""
+    import cProfile
+    import pstats
+
+    prof = cProfile.Profile()
+    prof.enable()
+    llm.generate(prompts, SamplingParams(temperature=0.0, max_tokens=steps + 1, ignore_eos=True))
+    prof.disable()
+    st = pstats.Stats(prof)
+    total = sum(v[2] for v in st.stats.values())  # tottime over all functions
+    print(f"unprofiled wall time of a generate of {steps + 1} tokens: {wall_ms:.2f} ms")
+    print(f"profiled: {total * 1e3 / steps:.3f} ms of host time per step (own time of every "
+          "function, the GPU wait included)")
+    print("| function | us per step | calls per step |")
+    print("|---|---:|---:|")
+    top = sorted(st.stats.items(), key=lambda kv: kv[1][2], reverse=True)[:30]
+    for (file, line, name), (_, calls, tt, _, _) in top:
+        print(f"| {Path(file).name}:{line}({name}) | {tt * 1e6 / steps:.1f} | {calls / steps:.1f} |")
     return 0
 
 

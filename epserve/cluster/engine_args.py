@@ -41,6 +41,7 @@ class EngineArgs:
     placement_strategy: str = "STRICT_PACK"
     gpu_memory_utilization: float = 0.9
     enforce_eager: bool = False
+    decode_lookahead: bool | None = None
 
     def __post_init__(self) -> None:
         for name in ("block_size", "max_num_seqs", "max_num_batched_tokens", "ep_size"):
@@ -52,6 +53,9 @@ class EngineArgs:
             raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {g!r}")
         if not isinstance(self.enforce_eager, bool):
             raise ValueError(f"enforce_eager must be true or false, got {self.enforce_eager!r}")
+        if self.decode_lookahead is not None and not isinstance(self.decode_lookahead, bool):
+            raise ValueError(f"decode_lookahead must be true, false or None (on with CUDA "
+                             f"graphs), got {self.decode_lookahead!r}")
         if self.placement_strategy not in ("STRICT_PACK", "PACK", "SPREAD", "STRICT_SPREAD"):
             raise ValueError(f"placement_strategy must be STRICT_PACK, PACK, SPREAD or "
                              f"STRICT_SPREAD, got {self.placement_strategy!r}")
@@ -88,7 +92,7 @@ class EngineArgs:
             enable_prefix_caching=self.enable_prefix_caching, load_format=self.load_format,
             seed=self.seed, gpu_memory_utilization=float(self.gpu_memory_utilization),
             enforce_eager=bool(self.enforce_eager),
-            warmup_tokens=self.max_num_batched_tokens)
+            warmup_tokens=self.max_num_batched_tokens, decode_lookahead=self.decode_lookahead)
 
 
 def check_model_path(path: str) -> None:

@@ -74,7 +74,9 @@ class LLM:
     ``model``: a Hugging Face folder (config.json + safetensors); ``None`` builds and uses the
     built-in demo model (random weights: its text is random). ``ep_size`` > 1 runs the
     experts over that many ranks on Ray (``RAY_ADDRESS``'s cluster, or a local one): the
-    engine then lives in a HeadActor and ``close()`` releases it.
+    engine then lives in a HeadActor and ``close()`` releases it. ``decode_lookahead``: queue
+    each decode step's likely successor on the GPU before the host has read its tokens (None:
+    on wherever decode CUDA graphs are; True also on CPU, where it only exercises the logic).
     """
 
     def __init__(self, model: str | os.PathLike | None = None, *, tokenizer: str | None = None,
@@ -84,7 +86,7 @@ class LLM:
                  long_prefill_token_threshold: int = 0, enable_prefix_caching: bool = True,
                  load_format: str = "auto", ep_size: int = 1,
                  placement_strategy: str = "STRICT_PACK", gpu_memory_utilization: float = 0.9,
-                 enforce_eager: bool = False):
+                 enforce_eager: bool = False, decode_lookahead: bool | None = None):
         args = EngineArgs(
             model=None if model is None else str(model), tokenizer=tokenizer, dtype=dtype,
             device=device, max_model_len=max_model_len, block_size=block_size,
@@ -93,7 +95,8 @@ class LLM:
             long_prefill_token_threshold=long_prefill_token_threshold,
             enable_prefix_caching=enable_prefix_caching, load_format=load_format, seed=seed,
             ep_size=ep_size, placement_strategy=placement_strategy,
-            gpu_memory_utilization=gpu_memory_utilization, enforce_eager=enforce_eager)
+            gpu_memory_utilization=gpu_memory_utilization, enforce_eager=enforce_eager,
+            decode_lookahead=decode_lookahead)
         if (isinstance(long_prefill_token_threshold, bool)
                 or not isinstance(long_prefill_token_threshold, int)
                 or long_prefill_token_threshold < 0):

@@ -187,6 +187,7 @@ class Engine:
             self.scheduler.finish(seq)
         elif seq.state is not None:
             seq.state.output_index = n
+            seq.state.lookahead = n + 1 < seq.request.max_tokens  # else the next is the last
             if seq.request.params.min_tokens >= n:
                 seq.state.sampling = seq.row_sampling()
         touched[seq.request.request_id] = seq.request

@@ -130,6 +130,8 @@ class SequenceState:
     - ``sampling``: the row's ``RowSampling`` (scheduler); ``output_index`` the count of tokens
       sampled so far for it, the generator's counter (scheduler).
     - ``adapter_slot`` / ``adapter_id``: LoRA selection (no adapters yet: -1 / 0).
+    - ``lookahead``: the row's next decode step is likely (its next token is not known to be
+      its last); a runner may queue that step's forward early (scheduler).
     """
 
     tokens: list[int] = field(default_factory=list)
@@ -153,6 +155,7 @@ class SequenceState:
     num_beams: int = 1
     length_penalty: float = 1.0
     early_stopping: bool = False
+    lookahead: bool = True
 
 
 @dataclass(slots=True)

@@ -110,18 +110,22 @@ class DecodeGraphs:
 
     def covers(self, inp: StepInputs) -> bool:
         """A pure decode step whose padded size has a graph."""
-        n = len(inp.decode_seqs)
-        return (not inp.prefill_rows and 0 < n <= self.max_rows
-                and graph_batch(n) in self._graphs)
+        return not inp.prefill_rows and self.covers_rows(len(inp.decode_seqs))
 
-    def run(self, inp: StepInputs) -> torch.Tensor:
-        """Replay the step's rung on its inputs. Returns hidden [n, H] (a view of the graph's
-        output buffer: valid until the next replay)."""
+    def covers_rows(self, n: int) -> bool:
+        """A decode step of ``n`` rows has a graph."""
+        return 0 < n <= self.max_rows and graph_batch(n) in self._graphs
+
+    def run(self, inp: StepInputs, input_ids: torch.Tensor | None = None) -> torch.Tensor:
+        """Replay the step's rung on its inputs (``input_ids``: [n] int64 on the device instead
+        of ``inp.input_ids``, e.g. the tokens just sampled). Returns hidden [n, H] (a view of
+        the graph's output buffer: valid until the next replay)."""
         n = len(inp.decode_seqs)
         b = graph_batch(n)
         graph, out = self._graphs[b]
         meta = inp.meta
-        self.input_ids[:n].copy_(inp.input_ids, non_blocking=True)
+        self.input_ids[:n].copy_(inp.input_ids if input_ids is None else input_ids,
+                                 non_blocking=True)
         self.positions[:n].copy_(inp.positions, non_blocking=True)
         self.slots[:n].copy_(meta.slot_mapping, non_blocking=True)
         w = meta.block_tables.shape[1]

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import logging
 import time
-from dataclasses import dataclass
 from typing import Any, Sequence
 
 import torch
@@ -25,57 +24,14 @@ from epserve.models.traits import (
 from epserve.worker.batch import BlockTables, StepInputs, StepRow, build_step_inputs
 from epserve.worker.cuda_graphs import DecodeGraphs
 from epserve.worker.kv_pool import KVPool
-from epserve.worker.sampler import prompt_logprobs_rows, sample_rows
+from epserve.worker.lookahead import DecodeLookahead
+from epserve.worker.runner_config import (  # noqa: F401 (re-exported)
+    RunnerConfig, resolve_device, resolve_dtype,
+)
+from epserve.worker.sampler import launch_sample, prompt_logprobs_rows
 from epserve.worker.warmup import warm_up_prefill
 
 log = logging.getLogger(__name__)
-
-_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-
-
-@dataclass(frozen=True)
-class RunnerConfig:
-    """How one rank's runner is built. ``num_kv_blocks=None`` sizes the pool: on CPU from
-    ``kv_cache_bytes``; on CUDA from what ``gpu_memory_utilization`` of the device leaves
-    after the weights (and a reserve for activations). On CUDA with one rank, decode steps
-    replay CUDA graphs captured at start (one per ladder rung) unless ``enforce_eager``.
-    ``warmup_tokens`` > 0 (CUDA, one rank): an eager forward of that many padded prompt rows
-    at start, so the prefill-size Triton kernels compile before the first request, not in it."""
-
-    model: str
-    dtype: str = "auto"
-    device: str = "auto"
-    max_model_len: int | None = None
-    block_size: int = 16
-    num_kv_blocks: int | None = None
-    kv_cache_bytes: int = 512 * 2**20
-    gpu_memory_utilization: float = 0.9
-    activation_reserve_bytes: int = 2 * 2**30
-    max_num_seqs: int = 256
-    enable_prefix_caching: bool = True
-    load_format: str = "auto"
-    seed: int = 0
-    enforce_eager: bool = False
-    warmup_tokens: int = 0
-
-
-def resolve_device(name: str) -> torch.device:
-    """``auto`` is CUDA when present, else CPU."""
-    if name == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    return torch.device(name)
-
-
-def resolve_dtype(name: str, checkpoint_dtype: str | None, device: torch.device) -> torch.dtype:
-    """``auto``: the checkpoint's dtype on CUDA; float32 on CPU (bf16 matmuls are slow there)."""
-    if name == "auto":
-        if device.type == "cpu":
-            return torch.float32
-        return _DTYPES.get(checkpoint_dtype or "", torch.bfloat16)
-    if name not in _DTYPES:
-        raise ValueError(f"dtype must be one of auto, {', '.join(_DTYPES)}; got {name!r}")
-    return _DTYPES[name]
-
 
 class Runner:
     """Implements ``models.traits.Model`` for one rank (EP over ranks comes on top of it)."""
@@ -116,6 +72,11 @@ class Runner:
             self.graphs = DecodeGraphs(self._forward, self.device, self.block_size,
                                        cfg.max_num_seqs, self.tables.max_blocks_per_seq)
             self.graphs.capture()
+        self.lookahead: DecodeLookahead | None = None
+        if cfg.decode_lookahead or (cfg.decode_lookahead is None and self.graphs is not None):
+            self.lookahead = DecodeLookahead(self._forward, self.graphs, self.tables,
+                                             self.block_size, self.device, self.max_model_len,
+                                             lambda seq, n: self.reserve_blocks(seq, n))
 
     def _forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
                  meta: AttentionMetadata) -> torch.Tensor:
@@ -262,6 +223,11 @@ class Runner:
                             prefill_slices: Sequence[PrefillSlice]) -> MixedBatchResult:
         """One forward over every decode row and every prefill chunk; samples each decode row
         and each last chunk with its sequence's ``RowSampling``."""
+        if self.lookahead is not None and not prefill_slices and decode_seqs \
+                and len(decode_tokens) == len(decode_seqs):
+            hidden = self.lookahead.take(decode_tokens, decode_seqs)
+            if hidden is not None:  # this step's forward ran ahead, during the host's work
+                return self._sample_step(decode_tokens, decode_seqs, (), (), hidden)
         inp = self.prepare_step(decode_tokens, decode_seqs, prefill_slices)
         if inp is None:
             return MixedBatchResult(decode=(), prefill=())
@@ -300,26 +266,47 @@ class Runner:
     @torch.inference_mode()
     def execute_step(self, inp: StepInputs) -> MixedBatchResult:
         """The device side: forward, prompt logprobs, sampling; advances each row's KV."""
+        if self.lookahead is not None:
+            self.lookahead.discard()
         if self.graphs is not None and self.graphs.covers(inp):
             hidden = self.graphs.run(inp)  # [n, H]
         else:
             hidden = self._forward(inp.input_ids, inp.positions, inp.meta)  # [T, H]
         nd = len(inp.decode_seqs)
         self._collect_prompt_logprobs(inp.prefill_rows, hidden, inp.meta.query_start_loc[nd:])
-        for tok, seq in zip(inp.decode_tokens, inp.decode_seqs):
+        if inp.prefill_rows:  # a pure decode step samples every row, in order
+            hidden = hidden[inp.sample_index]
+        return self._sample_step(inp.decode_tokens, inp.decode_seqs, inp.prefill_rows,
+                                 inp.sampled_prefill, hidden)
+
+    @torch.inference_mode()
+    def _sample_step(self, decode_tokens: Sequence[int], decode_seqs: Sequence[SequenceState],
+                     prefill_rows: Sequence[StepRow], sampled_prefill: Sequence[int],
+                     hidden: torch.Tensor) -> MixedBatchResult:
+        """Advance each row's KV bookkeeping past the step, then sample ``hidden`` [R, H] (one
+        row per sampled position: the decode rows, then the sampled prefill rows); queues the
+        lookahead forward of a pure decode step before reading the tokens back."""
+        for tok, seq in zip(decode_tokens, decode_seqs):
             seq.tokens.append(tok)
             seq.seq_len += 1
             seq.kv_valid_tokens = seq.seq_len
-        for row in inp.prefill_rows:
+        for row in prefill_rows:
             row.seq.tokens.extend(row.tokens)
             row.seq.seq_len = row.seq.kv_valid_tokens = row.start + len(row.tokens)
-        seqs = list(inp.decode_seqs) + [inp.prefill_rows[r].seq for r in inp.sampled_prefill]
-        prefill: list[SampledToken | None] = [None] * len(inp.prefill_rows)
+        nd = len(decode_seqs)
+        seqs = list(decode_seqs) + [prefill_rows[r].seq for r in sampled_prefill]
+        prefill: list[SampledToken | None] = [None] * len(prefill_rows)
         if not seqs:
             return MixedBatchResult(decode=(), prefill=tuple(prefill))
-        logits = self.model.compute_logits(hidden[inp.sample_index])  # [R, V] float32
-        tokens = sample_rows(logits, [s.sampling for s in seqs], [s.output_index for s in seqs])
-        for r, tok in zip(inp.sampled_prefill, tokens[nd:]):
+        logits = self.model.compute_logits(hidden)  # [R, V] float32
+        pending = launch_sample(logits, [s.sampling for s in seqs],
+                                [s.output_index for s in seqs])
+        ahead = (self.lookahead is not None and not prefill_rows
+                 and self.lookahead.launch(decode_seqs, pending))
+        tokens = pending.result()
+        if ahead:
+            self.lookahead.fed([t.token_id for t in tokens])
+        for r, tok in zip(sampled_prefill, tokens[nd:]):
             prefill[r] = tok
         return MixedBatchResult(decode=tuple(tokens[:nd]), prefill=tuple(prefill),
                                 decode_logits=logits[:nd] if nd else None,

@@ -94,9 +94,52 @@ def _stable_topk(lp: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
     return vals[:, :k], ids[:, :k]
 
 
+class PendingSample:
+    """Sampled rows still on the device: ``tokens`` [R] int64 can feed the next forward before
+    the host reads them; ``result()`` reads them back (the one host sync) as ``SampledToken``s.
+    ``copy_async()`` starts that read-back early (pinned, non-blocking, with an event), so work
+    queued after it on the stream does not delay ``result()``."""
+
+    def __init__(self, tokens: torch.Tensor, flat: torch.Tensor, rows: Sequence[RowSampling],
+                 want: list[int], kmax: int):
+        self.tokens, self._flat, self._rows, self._want, self._kmax = tokens, flat, rows, want, kmax
+        self._host: torch.Tensor | None = None
+        self._event: torch.cuda.Event | None = None
+
+    def copy_async(self) -> None:
+        if self._flat.device.type != "cuda" or self._host is not None:
+            return
+        self._host = torch.empty(self._flat.shape, dtype=self._flat.dtype, pin_memory=True)
+        self._host.copy_(self._flat, non_blocking=True)
+        self._event = torch.cuda.Event()
+        self._event.record()
+
+    def result(self) -> list[SampledToken]:
+        if self._host is not None and self._event is not None:
+            self._event.synchronize()
+            flat = self._host.tolist()
+        else:
+            flat = self._flat.tolist()  # the one host sync
+        n, want, kmax = len(self._rows), self._want, self._kmax
+        out = [SampledToken(token_id=int(t)) for t in flat[:n]]
+        nw = len(want)
+        for j, i in enumerate(want):
+            k = min(self._rows[i].logprobs or 0, kmax)  # kmax: the largest k, capped at V
+            ids0, vals0 = n + nw + j * kmax, n + nw + nw * kmax + j * kmax
+            top = tuple(zip(map(int, flat[ids0:ids0 + k]), flat[vals0:vals0 + k]))
+            out[i] = SampledToken(token_id=out[i].token_id, logprob=flat[n + j], top=top)
+        return out
+
+
 def sample_rows(logits: torch.Tensor, rows: Sequence[RowSampling],
                 output_indices: Sequence[int]) -> list[SampledToken]:
-    """One sampled token per row.
+    """One sampled token per row (``launch_sample`` then its ``result``)."""
+    return launch_sample(logits, rows, output_indices).result()
+
+
+def launch_sample(logits: torch.Tensor, rows: Sequence[RowSampling],
+                  output_indices: Sequence[int]) -> PendingSample:
+    """One sampled token per row, left on the device.
 
     logits: [R, V] float32 (other float dtypes are upcast); rows: R ``RowSampling``;
     output_indices: R ints, each row's count of tokens sampled before this one (the noise
@@ -109,7 +152,7 @@ def sample_rows(logits: torch.Tensor, rows: Sequence[RowSampling],
         raise ValueError(f"sample_rows: {n} logit rows, {len(rows)} RowSampling, "
                          f"{len(output_indices)} output indices")
     if n == 0:
-        return []
+        return PendingSample(torch.empty(0, dtype=torch.int64), torch.empty(0), rows, [], 0)
     v, dev = logits.shape[1], logits.device
     greedy = [r.temperature <= GREEDY_TEMPERATURE_EPS for r in rows]
     bans = [[t for t in r.banned_token_ids if 0 <= t < v] for r in rows]
@@ -150,14 +193,7 @@ def sample_rows(logits: torch.Tensor, rows: Sequence[RowSampling],
         if kmax:
             top_v, top_i = _stable_topk(lp, kmax)
             parts += [top_i.flatten().double(), top_v.flatten().double()]
-    flat = torch.cat(parts).tolist()  # the one host sync
-    out = [SampledToken(token_id=int(t)) for t in flat[:n]]
-    for j, i in enumerate(want):
-        k = min(rows[i].logprobs or 0, v)
-        ids0, vals0 = n + nw + j * kmax, n + nw + nw * kmax + j * kmax
-        top = tuple(zip(map(int, flat[ids0:ids0 + k]), flat[vals0:vals0 + k]))
-        out[i] = SampledToken(token_id=out[i].token_id, logprob=flat[n + j], top=top)
-    return out
+    return PendingSample(tokens, torch.cat(parts), rows, want, kmax)
 
 
 def prompt_logprobs_rows(logits: torch.Tensor, targets: Sequence[int],

@@ -4,6 +4,8 @@
   sizes on a rung (4), between rungs (3, 5), a single row (its own one-row graph) and above the
   ladder's top (130 rows: the 160-row graph), with requests finishing at different steps so
   the batch walks down the ladder.
+- The decode lookahead (on by default with graphs) changes no token, rows stopping early
+  behind it and preemption included.
 - Padded rows write no KV: after a run, every KV block no sequence ever held is still zero.
 """
 
@@ -47,6 +49,20 @@ def test_graphs_match_eager(tiny_ckpt, dtype):
     for n in (1, 3, 4, 5, 130):
         prompts, params = _prompts(n, seed=n), _params(n)
         assert _tokens(graphs, prompts, params) == _tokens(eager, prompts, params), n
+    assert runner.lookahead is not None and runner.lookahead.hits > 0  # on by default
+
+
+def test_lookahead_matches_without_it_when_rows_stop_early(qwen3_ckpt):
+    """Rows ending on stop tokens behind a queued lookahead forward; a tight KV pool."""
+    common = dict(model=str(qwen3_ckpt), dtype="bfloat16", device="cuda", num_kv_blocks=40,
+                  block_size=4)
+    prompts = _prompts(12, seed=4)
+    params = SamplingParams(temperature=1.0, seed=9, max_tokens=48, stop_token_ids=[7, 8, 9])
+    on = LLM(**common)
+    off = LLM(**common, decode_lookahead=False)
+    assert _tokens(on, prompts, params) == _tokens(off, prompts, params)
+    la = on.runner.lookahead
+    assert 0 < la.hits < la.launched
 
 
 def test_padded_rows_write_no_kv(qwen3_ckpt):

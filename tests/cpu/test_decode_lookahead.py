@@ -1,0 +1,112 @@
+"""Decode lookahead changes when a forward runs, never what a user gets: every test generates
+the same requests with the lookahead on and off and compares the outputs token for token.
+
+On CPU the lookahead forward runs eagerly (``decode_lookahead=True``), which exercises the
+same bookkeeping the GPU path uses with graphs: which steps it may run ahead, when the head's
+next step matches it, and what happens to the KV it wrote when the step does not.
+"""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from epserve import LLM, SamplingParams
+
+EOS = 2
+
+
+def _prompts(n: int, seed: int = 5) -> list[dict]:
+    rng = random.Random(seed)
+    return [{"prompt_token_ids": [rng.randrange(3, 300) for _ in range(rng.randrange(3, 12))]}
+            for _ in range(n)]
+
+
+def _both(ckpt, prompts, params, **kw):
+    """Token ids (and logprobs) of each request, lookahead off then on, plus the on-run's LLM."""
+    out = []
+    for lookahead in (False, True):
+        llm = LLM(model=str(ckpt), dtype="float32", device="cpu", decode_lookahead=lookahead,
+                  **kw)
+        res = llm.generate(prompts, params)
+        out.append([(o.outputs[0].token_ids, o.outputs[0].finish_reason,
+                     [None if lp is None else sorted(lp.items()) for lp in
+                      (o.outputs[0].logprobs or [])]) for o in res])
+    return out[0], out[1], llm
+
+
+def test_same_outputs_with_lookahead_greedy_and_seeded(tiny_ckpt):
+    prompts = _prompts(6)
+    params = [SamplingParams(temperature=0.0 if i % 2 else 0.9, seed=i, top_k=0 if i % 3 else 20,
+                             max_tokens=5 + 7 * i, ignore_eos=True, logprobs=2 if i == 3 else None)
+              for i in range(6)]
+    off, on, llm = _both(tiny_ckpt, prompts, params, block_size=4)
+    assert on == off
+    la = llm.runner.lookahead
+    assert la.hits > 20 and la.hits == la.launched  # a length stop is known one step ahead
+
+
+def test_stop_tokens_and_eos_end_rows_the_lookahead_ran_ahead_of(qwen3_ckpt):
+    prompts = _prompts(8, seed=11)
+    params = SamplingParams(temperature=1.0, seed=3, max_tokens=40, stop_token_ids=[7, 8, 9])
+    off, on, llm = _both(qwen3_ckpt, prompts, params, block_size=4)
+    assert on == off
+    reasons = {r for _, r, _ in on}
+    assert "stop" in reasons  # some rows did stop early, behind a lookahead forward
+    la = llm.runner.lookahead
+    assert 0 < la.hits < la.launched
+
+
+def test_preemption_under_a_small_kv_pool(qwen3_ckpt):
+    prompts = _prompts(6, seed=2)
+    params = SamplingParams(temperature=0.0, max_tokens=30, ignore_eos=True)
+    off, on, llm = _both(qwen3_ckpt, prompts, params, block_size=4, num_kv_blocks=24)
+    assert on == off
+    assert llm.engine.scheduler.num_preemptions > 0
+    assert llm.runner.lookahead.hits > 0
+
+
+def _staggered(ckpt, lookahead: bool) -> dict[str, list[int]]:
+    """Requests arriving while others decode (new prefill rows break the lookahead)."""
+    llm = LLM(model=str(ckpt), dtype="float32", device="cpu", decode_lookahead=lookahead,
+              block_size=4)
+    eng = llm.engine
+    prompts = _prompts(5, seed=8)
+    done: dict[str, list[int]] = {}
+    arrivals = {0: 0, 3: 1, 4: 2, 9: 3, 17: 4}
+    step = 0
+    while len(done) < len(prompts):
+        if step in arrivals:
+            i = arrivals[step]
+            eng.add_request(f"r{i}", prompts[i]["prompt_token_ids"],
+                            SamplingParams(temperature=0.0, max_tokens=12 + i, ignore_eos=True))
+        for out in eng.step():
+            if out.finished:
+                done[out.request_id] = list(out.outputs[0].token_ids)
+        step += 1
+    return done
+
+
+def test_requests_arriving_mid_decode(qwen3_ckpt):
+    assert _staggered(qwen3_ckpt, True) == _staggered(qwen3_ckpt, False)
+
+
+def test_a_step_fed_another_token_recomputes(qwen3_ckpt):
+    """The trait caller feeds a token other than the one sampled: the queued forward (of the
+    sampled token) is dropped and the step computes the fed token, as without lookahead."""
+    got = []
+    for lookahead in (False, True):
+        llm = LLM(model=str(qwen3_ckpt), dtype="float32", device="cpu",
+                  decode_lookahead=lookahead)
+        r = llm.runner
+        seq = r.alloc_sequence()
+        prompt = [5, 17, 33, 41]
+        assert r.reserve_blocks(seq, len(prompt) + 3)
+        first = r.prefill(prompt, seq).token_id
+        second = r.decode(first, seq).token_id  # queues the forward of `second`
+        other = (second + 1) % r.vocab_size()
+        got.append((first, second, r.decode(other, seq).token_id, list(seq.tokens)))
+        if lookahead:
+            assert r.lookahead.launched >= 1 and r.lookahead.hits == 0
+    assert got[0] == got[1]
