@@ -27,6 +27,9 @@ def _engine_args(p: argparse.ArgumentParser) -> None:
                    help="fraction of GPU memory for weights + KV cache (CUDA)")
     p.add_argument("--enforce-eager", action="store_true",
                    help="run decode steps eagerly (no CUDA graphs)")
+    p.add_argument("--no-decode-lookahead", action="store_true",
+                   help="do not queue a decode step's likely successor on the GPU before its "
+                        "tokens are read back (default: on with CUDA graphs)")
     p.add_argument("--block-size", type=int, default=16)
     p.add_argument("--no-prefix-caching", action="store_true")
     p.add_argument("--load-format", default="auto", choices=["auto", "safetensors", "dummy"])
@@ -77,7 +80,8 @@ def _llm(args: argparse.Namespace):
                enable_prefix_caching=not args.no_prefix_caching, load_format=args.load_format,
                ep_size=args.ep_size, placement_strategy=args.placement_strategy, seed=args.seed,
                gpu_memory_utilization=args.gpu_memory_utilization,
-               enforce_eager=args.enforce_eager)
+               enforce_eager=args.enforce_eager,
+               decode_lookahead=False if args.no_decode_lookahead else None)
 
 
 def _generate(args: argparse.Namespace) -> int:

@@ -34,6 +34,7 @@ def config_from_args(args: argparse.Namespace) -> AppConfig:
         placement_strategy=args.placement_strategy,
         gpu_memory_utilization=args.gpu_memory_utilization,
         enforce_eager=getattr(args, "enforce_eager", False),
+        decode_lookahead=False if getattr(args, "no_decode_lookahead", False) else None,
         served_model_name=getattr(args, "served_model_name", None))
     return AppConfig(engine=engine, api_key=args.api_key or os.environ.get(API_KEY_ENV) or None,
                      max_body_bytes=getattr(args, "max_body_bytes", None)

@@ -67,6 +67,9 @@ def test_generate_prints_the_greedy_text_of_the_api(env, demo):
     second = _run(env, "generate", "--max-tokens", "8", "Hello", script=True)
     assert second.returncode == 0, second.stderr
     assert second.stdout == first.stdout
+    third = _run(env, "generate", "--no-decode-lookahead", "--max-tokens", "8", "Hello")
+    assert third.returncode == 0, third.stderr
+    assert third.stdout == first.stdout
 
 
 def test_generate_with_stop_and_sampling_options(env, demo):
