@@ -56,6 +56,9 @@ class EngineArgs:
         if self.decode_lookahead is not None and not isinstance(self.decode_lookahead, bool):
             raise ValueError(f"decode_lookahead must be true, false or None (on with CUDA "
                              f"graphs), got {self.decode_lookahead!r}")
+        if self.decode_lookahead and self.ep_size > 1:
+            raise ValueError("decode_lookahead=True needs ep_size=1: expert-parallel ranks run "
+                             "each forward in lockstep, so none can run one ahead")
         if self.placement_strategy not in ("STRICT_PACK", "PACK", "SPREAD", "STRICT_SPREAD"):
             raise ValueError(f"placement_strategy must be STRICT_PACK, PACK, SPREAD or "
                              f"STRICT_SPREAD, got {self.placement_strategy!r}")

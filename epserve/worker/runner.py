@@ -39,6 +39,9 @@ class Runner:
     def __init__(self, cfg: RunnerConfig, parallel: ParallelInfo = ParallelInfo()):
         from epserve.models.config import ModelConfig
 
+        if cfg.decode_lookahead and parallel.world_size > 1:  # a lone forward hangs the group
+            raise ValueError("decode_lookahead is single-rank only: an EP rank's forward runs "
+                             "in lockstep with the other ranks' (use ep_size=1)")
         self.cfg = cfg
         self.device = resolve_device(cfg.device)
         hf_dtype = ModelConfig.from_pretrained(cfg.model).torch_dtype
@@ -73,7 +76,8 @@ class Runner:
                                        cfg.max_num_seqs, self.tables.max_blocks_per_seq)
             self.graphs.capture()
         self.lookahead: DecodeLookahead | None = None
-        if cfg.decode_lookahead or (cfg.decode_lookahead is None and self.graphs is not None):
+        lookahead = cfg.decode_lookahead
+        if lookahead or (lookahead is None and self.graphs is not None):
             self.lookahead = DecodeLookahead(self._forward, self.graphs, self.tables,
                                              self.block_size, self.device, self.max_model_len,
                                              lambda seq, n: self.reserve_blocks(seq, n))

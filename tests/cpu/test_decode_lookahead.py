@@ -110,3 +110,10 @@ def test_a_step_fed_another_token_recomputes(qwen3_ckpt):
         if lookahead:
             assert r.lookahead.launched >= 1 and r.lookahead.hits == 0
     assert got[0] == got[1]
+
+
+def test_lookahead_with_expert_parallelism_is_refused(qwen3_ckpt):
+    with pytest.raises(ValueError, match="decode_lookahead=True needs ep_size=1"):
+        LLM(model=str(qwen3_ckpt), device="cpu", decode_lookahead=True, ep_size=2)
+    with pytest.raises(ValueError, match="decode_lookahead must be"):
+        LLM(model=str(qwen3_ckpt), device="cpu", decode_lookahead="yes")
