@@ -75,7 +75,10 @@ class DecodeLookahead:
             return False
         if not all(self.reserve(s, s.seq_len + 1) for s in seqs):
             return False
-        inp = build_step_inputs([0] * n, seqs, (), self.tables, self.block_size, self.device)
+        try:
+            inp = build_step_inputs([0] * n, seqs, (), self.tables, self.block_size, self.device)
+        except ValueError:  # a row the head's next step could not run either: it will say so
+            return False
         pending.copy_async()
         if self.graphs is not None:
             hidden = self.graphs.run(inp, input_ids=pending.tokens)
