@@ -42,9 +42,9 @@ def _decode_tile(q, k_ptr, v_ptr, bt_row, start, seq_len, lo, kvh, m_i, l_i, acc
     return m_new, l_i, acc
 
 
-@triton.jit(do_not_specialize=["stride_bts"])  # table width varies per eager step
-def _paged_decode_kernel(
-    q_ptr, k_ptr, v_ptr, bt_ptr, sl_ptr, o_ptr,
+@triton.jit
+def _decode_program(
+    s, kvh, q_ptr, k_ptr, v_ptr, bt_ptr, sl_ptr, o_ptr,
     stride_qs, stride_qh, stride_os, stride_oh, stride_bts,
     stride_kb, stride_kt, stride_kh,
     scale_log2, window, block_size,
@@ -52,8 +52,8 @@ def _paged_decode_kernel(
     BLOCK_N: tl.constexpr, HAS_WINDOW: tl.constexpr, PRECISION: tl.constexpr,
     WHILE_LOOP: tl.constexpr,
 ):
-    s = tl.program_id(0)
-    kvh = tl.program_id(1)
+    """The work of program (sequence ``s``, kv head ``kvh``): its GROUP query heads against the
+    sequence's KV, output rows stored (shared with the fused rope + decode kernel)."""
     seq_len = tl.load(sl_ptr + s)
 
     offs_g = tl.arange(0, GROUP_P)
@@ -97,6 +97,22 @@ def _paged_decode_kernel(
              out.to(o_ptr.dtype.element_ty), mask=qg_mask)
 
 
+@triton.jit(do_not_specialize=["stride_bts"])  # table width varies per eager step
+def _paged_decode_kernel(
+    q_ptr, k_ptr, v_ptr, bt_ptr, sl_ptr, o_ptr,
+    stride_qs, stride_qh, stride_os, stride_oh, stride_bts,
+    stride_kb, stride_kt, stride_kh,
+    scale_log2, window, block_size,
+    GROUP: tl.constexpr, GROUP_P: tl.constexpr, D: tl.constexpr, D_P: tl.constexpr,
+    BLOCK_N: tl.constexpr, HAS_WINDOW: tl.constexpr, PRECISION: tl.constexpr,
+    WHILE_LOOP: tl.constexpr,
+):
+    _decode_program(tl.program_id(0), tl.program_id(1), q_ptr, k_ptr, v_ptr, bt_ptr, sl_ptr,
+                    o_ptr, stride_qs, stride_qh, stride_os, stride_oh, stride_bts,
+                    stride_kb, stride_kt, stride_kh, scale_log2, window, block_size,
+                    GROUP, GROUP_P, D, D_P, BLOCK_N, HAS_WINDOW, PRECISION, WHILE_LOOP)
+
+
 # triton.jit picks the interpreter from TRITON_INTERPRET when this module is imported; the
 # interpreter (numpy >= 2.4) needs the while-loop form of the KV loop.
 _INTERPRETED = type(_paged_decode_kernel).__name__ == "InterpretedFunction"
@@ -131,27 +147,30 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     if sliding_window is not None and (not isinstance(sliding_window, int) or sliding_window < 1):
         raise ValueError(f"paged_decode_attention: sliding_window {sliding_window!r} must be "
                          f"None or a positive int")
-    if block_n is None:
-        block_n = 64 if q.is_cuda else 16
-    if block_n < 16 or block_n & (block_n - 1):
-        raise ValueError(f"paged_decode_attention: block_n {block_n} must be a power of two >= 16")
-
+    consts = decode_constexprs(q, hkv, sliding_window, block_n, "paged_decode_attention")
     out = torch.empty((s, hq, d), dtype=q.dtype, device=q.device)
     if s == 0:
         return out
-    group = hq // hkv
-    # tl.dot needs every tile dim >= 16; padded rows/cols are masked.
-    group_p = max(16, _next_pow2(group))
-    d_p = max(16, _next_pow2(d))
-    precision = "ieee" if q.dtype == torch.float32 else "tf32"
     _paged_decode_kernel[(s, hkv)](
         q, k_cache, v_cache, block_tables, seq_lens_t, out,
         q.stride(0), q.stride(1), out.stride(0), out.stride(1), block_tables.stride(0),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         float(scale) * 1.4426950408889634, int(sliding_window or 0), bs,
-        GROUP=group, GROUP_P=group_p, D=d, D_P=d_p, BLOCK_N=block_n,
-        HAS_WINDOW=sliding_window is not None, PRECISION=precision,
-        WHILE_LOOP=_INTERPRETED,
-        num_warps=4, num_stages=2,
+        **consts, num_warps=4, num_stages=2,
     )
     return out
+
+
+def decode_constexprs(q: torch.Tensor, num_kv_heads: int, sliding_window: int | None,
+                      block_n: int | None, name: str) -> dict:
+    """The compile-time arguments of ``_decode_program`` for q: [S, Hq, D] (checks block_n)."""
+    if block_n is None:
+        block_n = 64 if q.is_cuda else 16
+    if block_n < 16 or block_n & (block_n - 1):
+        raise ValueError(f"{name}: block_n {block_n} must be a power of two >= 16")
+    group, d = q.shape[1] // num_kv_heads, q.shape[2]
+    # tl.dot needs every tile dim >= 16; padded rows/cols are masked.
+    return dict(GROUP=group, GROUP_P=max(16, _next_pow2(group)), D=d, D_P=max(16, _next_pow2(d)),
+                BLOCK_N=block_n, HAS_WINDOW=sliding_window is not None,
+                PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
+                WHILE_LOOP=_INTERPRETED)

@@ -165,6 +165,46 @@ def qk_norm_rope_triton(q: torch.Tensor, k: torch.Tensor, positions: torch.Tenso
     """
     name = "qk_norm_rope_triton"
     kv_args = (v, k_cache, v_cache, slot_mapping)
+    with_kv = check_qk_norm_rope_args(name, q, k, positions, cos_cache, sin_cache, q_weight,
+                                      k_weight, kv_args)
+    t, hq, d = q.shape
+    hkv = k.shape[1]
+    if t == 0 or hq + hkv == 0 or d == 0:
+        return q, k
+    if t * max(hq, hkv) >= 2**31 - _MAX_ROWS:  # the kernel indexes (token, head) rows in int32
+        raise ValueError(f"{name}: {t} tokens x {max(hq, hkv)} heads is too many rows")
+    half = d // 2
+    qw = q_weight.contiguous() if q_weight is not None else q
+    kw = k_weight.contiguous() if k_weight is not None else k
+    if with_kv:
+        kv_ptrs = (v, k_cache, v_cache, slot_mapping)
+        kv_strides = (v.stride(0), v.stride(1), slot_mapping.stride(0), k_cache.shape[1],
+                      *k_cache.stride()[:3], *v_cache.stride()[:3])
+    else:  # unused by the kernel (WRITE_KV=False): placeholders of the right kinds
+        kv_ptrs = (k, k, k, positions)
+        kv_strides = (0, 0, 0, 1, 0, 0, 0, 0, 0, 0)
+    half_p = triton.next_power_of_2(half)
+    block_r, num_warps = _pick_tile(t * (hq + hkv), half_p)
+    n_k = triton.cdiv(t * hkv, block_r)
+    grid = (n_k + triton.cdiv(t * hq, block_r),)
+    _qk_norm_rope_kernel[grid](
+        q, k, positions, cos_cache, sin_cache, qw, kw, *kv_ptrs,
+        q.stride(0), q.stride(1), k.stride(0), k.stride(1), positions.stride(0),
+        cos_cache.stride(0), sin_cache.stride(0), hq, hkv, n_k, half, float(eps), *kv_strides, t,
+        BLOCK_R=block_r, HALF_P=half_p, HAS_QW=q_weight is not None,
+        HAS_KW=k_weight is not None, WRITE_KV=with_kv, num_warps=num_warps,
+        enable_fp_fusion=False)  # products rounded before the add/sub, as torch's eager ops
+    return q, k
+
+
+def check_qk_norm_rope_args(name: str, q: torch.Tensor, k: torch.Tensor,
+                            positions: torch.Tensor, cos_cache: torch.Tensor,
+                            sin_cache: torch.Tensor, q_weight: torch.Tensor | None,
+                            k_weight: torch.Tensor | None, kv_args: tuple) -> bool:
+    """Shape, stride, dtype and device checks of ``qk_norm_rope_triton``'s arguments
+    (``kv_args``: v, k_cache, v_cache, slot_mapping, all or none None); True when the KV-write
+    arguments are given."""
+    v, k_cache, v_cache, slot_mapping = kv_args
     with_kv = all(x is not None for x in kv_args)
     if not with_kv and any(x is not None for x in kv_args):
         raise ValueError(f"{name}: v, k_cache, v_cache and slot_mapping go together (all or none)")
@@ -201,30 +241,4 @@ def qk_norm_rope_triton(q: torch.Tensor, k: torch.Tensor, positions: torch.Tenso
     tensors = [x for x in (q, k, positions, cos_cache, sin_cache, q_weight, k_weight) + kv_args
                if x is not None]
     check_devices(name, tensors, _INTERPRETED, "epserve.kernels.rope_triton")
-    hkv = k.shape[1]
-    if t == 0 or hq + hkv == 0 or d == 0:
-        return q, k
-    if t * max(hq, hkv) >= 2**31 - _MAX_ROWS:  # the kernel indexes (token, head) rows in int32
-        raise ValueError(f"{name}: {t} tokens x {max(hq, hkv)} heads is too many rows")
-    half = d // 2
-    qw = q_weight.contiguous() if q_weight is not None else q
-    kw = k_weight.contiguous() if k_weight is not None else k
-    if with_kv:
-        kv_ptrs = (v, k_cache, v_cache, slot_mapping)
-        kv_strides = (v.stride(0), v.stride(1), slot_mapping.stride(0), k_cache.shape[1],
-                      *k_cache.stride()[:3], *v_cache.stride()[:3])
-    else:  # unused by the kernel (WRITE_KV=False): placeholders of the right kinds
-        kv_ptrs = (k, k, k, positions)
-        kv_strides = (0, 0, 0, 1, 0, 0, 0, 0, 0, 0)
-    half_p = triton.next_power_of_2(half)
-    block_r, num_warps = _pick_tile(t * (hq + hkv), half_p)
-    n_k = triton.cdiv(t * hkv, block_r)
-    grid = (n_k + triton.cdiv(t * hq, block_r),)
-    _qk_norm_rope_kernel[grid](
-        q, k, positions, cos_cache, sin_cache, qw, kw, *kv_ptrs,
-        q.stride(0), q.stride(1), k.stride(0), k.stride(1), positions.stride(0),
-        cos_cache.stride(0), sin_cache.stride(0), hq, hkv, n_k, half, float(eps), *kv_strides, t,
-        BLOCK_R=block_r, HALF_P=half_p, HAS_QW=q_weight is not None,
-        HAS_KW=k_weight is not None, WRITE_KV=with_kv, num_warps=num_warps,
-        enable_fp_fusion=False)  # products rounded before the add/sub, as torch's eager ops
-    return q, k
+    return with_kv

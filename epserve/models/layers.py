@@ -17,11 +17,12 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from epserve.kernels.attention import AttentionMetadata, paged_attention
+from epserve.kernels.attention import AttentionMetadata
 from epserve.kernels.linear import linear
 from epserve.kernels.moe import fused_moe
 from epserve.kernels.norm import fused_add_rms_norm, rms_norm
-from epserve.kernels.rope import apply_qk_norm_rope, apply_rope, build_rope_cache
+from epserve.kernels.rope import apply_rope, build_rope_cache
+from epserve.kernels.rope_attention import rope_and_attend
 from epserve.kernels.router import add_norm_router, topk_softmax
 from epserve.models.config import CheckpointError, ModelConfig
 from epserve.models.parallel import ParallelInfo
@@ -95,15 +96,14 @@ class Attention(nn.Module):
         k = qkv[:, qs:qs + ks].view(t, self.num_kv_heads, self.head_dim)  # [T, Hkv, D]
         v = qkv[:, qs + ks:].view(t, self.num_kv_heads, self.head_dim)
         # Per-head q/k RMSNorm (Qwen3; None skips it) and rope, in place, plus this step's K/V
-        # into the paged cache (slot -1 rows write nothing): one kernel.
+        # into the paged cache (slot -1 rows write nothing), then paged attention: one launch
+        # for a pure decode step on the Triton path, else two.
         qw = None if self.q_norm is None else self.q_norm.weight
         kw = None if self.k_norm is None else self.k_norm.weight
         eps = self.q_norm.eps if self.q_norm is not None else 1e-6
         k_cache, v_cache = kv_cache
-        q, k = apply_qk_norm_rope(q, k, positions, rope.cos_cache, rope.sin_cache, qw, kw, eps,
-                                  v=v, k_cache=k_cache, v_cache=v_cache,
-                                  slot_mapping=meta.slot_mapping)
-        out = paged_attention(q, k_cache, v_cache, meta, self.scale, self.sliding_window)
+        out = rope_and_attend(q, k, v, positions, rope.cos_cache, rope.sin_cache, qw, kw, eps,
+                              k_cache, v_cache, meta, self.scale, self.sliding_window)
         return linear(out.reshape(t, self.num_heads * self.head_dim), self.o_proj.weight)  # [T, H]
 
 
