@@ -42,9 +42,9 @@ def _decode_tile(q, k_ptr, v_ptr, bt_row, start, seq_len, lo, kvh, m_i, l_i, acc
     return m_new, l_i, acc
 
 
-@triton.jit
-def _decode_program(
-    s, kvh, q_ptr, k_ptr, v_ptr, bt_ptr, sl_ptr, o_ptr,
+@triton.jit(do_not_specialize=["stride_bts"])  # table width varies per eager step
+def _paged_decode_kernel(
+    q_ptr, k_ptr, v_ptr, bt_ptr, sl_ptr, o_ptr,
     stride_qs, stride_qh, stride_os, stride_oh, stride_bts,
     stride_kb, stride_kt, stride_kh,
     scale_log2, window, block_size,
@@ -52,8 +52,11 @@ def _decode_program(
     BLOCK_N: tl.constexpr, HAS_WINDOW: tl.constexpr, PRECISION: tl.constexpr,
     WHILE_LOOP: tl.constexpr,
 ):
-    """The work of program (sequence ``s``, kv head ``kvh``): its GROUP query heads against the
-    sequence's KV, output rows stored (shared with the fused rope + decode kernel)."""
+    """Program (sequence s, kv head kvh): its GROUP query heads against the sequence's KV,
+    output rows stored. Also called inline by the fused rope + decode kernel, whose programs
+    are the same (s, kvh) grid."""
+    s = tl.program_id(0)
+    kvh = tl.program_id(1)
     seq_len = tl.load(sl_ptr + s)
 
     offs_g = tl.arange(0, GROUP_P)
@@ -95,22 +98,6 @@ def _decode_program(
     out = acc / l_i[:, None]
     tl.store(o_ptr + s * stride_os + heads[:, None] * stride_oh + offs_d[None, :],
              out.to(o_ptr.dtype.element_ty), mask=qg_mask)
-
-
-@triton.jit(do_not_specialize=["stride_bts"])  # table width varies per eager step
-def _paged_decode_kernel(
-    q_ptr, k_ptr, v_ptr, bt_ptr, sl_ptr, o_ptr,
-    stride_qs, stride_qh, stride_os, stride_oh, stride_bts,
-    stride_kb, stride_kt, stride_kh,
-    scale_log2, window, block_size,
-    GROUP: tl.constexpr, GROUP_P: tl.constexpr, D: tl.constexpr, D_P: tl.constexpr,
-    BLOCK_N: tl.constexpr, HAS_WINDOW: tl.constexpr, PRECISION: tl.constexpr,
-    WHILE_LOOP: tl.constexpr,
-):
-    _decode_program(tl.program_id(0), tl.program_id(1), q_ptr, k_ptr, v_ptr, bt_ptr, sl_ptr,
-                    o_ptr, stride_qs, stride_qh, stride_os, stride_oh, stride_bts,
-                    stride_kb, stride_kt, stride_kh, scale_log2, window, block_size,
-                    GROUP, GROUP_P, D, D_P, BLOCK_N, HAS_WINDOW, PRECISION, WHILE_LOOP)
 
 
 # triton.jit picks the interpreter from TRITON_INTERPRET when this module is imported; the
@@ -163,7 +150,7 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
 
 def decode_constexprs(q: torch.Tensor, num_kv_heads: int, sliding_window: int | None,
                       block_n: int | None, name: str) -> dict:
-    """The compile-time arguments of ``_decode_program`` for q: [S, Hq, D] (checks block_n)."""
+    """The compile-time arguments of ``_paged_decode_kernel`` for q: [S, Hq, D] (checks block_n)."""
     if block_n is None:
         block_n = 64 if q.is_cuda else 16
     if block_n < 16 or block_n & (block_n - 1):

@@ -7,7 +7,7 @@ equal to its torch reference. One program per (sequence s, kv head h), as the de
 it normalises and rotates k[s, h] in place and writes it and v[s, h] to slot
 ``slot_mapping[s]`` (a slot < 0, CUDA-graph padding, writes nothing), normalises and rotates
 the GROUP query heads of h in place, then (after a block barrier, which makes its own global
-writes visible to all its threads) runs the decode program on them. No other program touches
+writes visible to all its threads) runs the decode kernel's body on them (called inline). No other program touches
 those q/k rows or that cache slot, so the launch is race free and equal to the two launches:
 q, k and the caches bit for bit, the output to float rounding (products are not fused into
 multiply-adds anywhere in this launch, as the rope needs; the decode kernel alone fuses them).
@@ -24,7 +24,7 @@ import torch
 import triton
 import triton.language as tl
 
-from epserve.kernels.paged_attention_triton import _decode_program, decode_constexprs
+from epserve.kernels.paged_attention_triton import _paged_decode_kernel, decode_constexprs
 from epserve.kernels.rope_triton import _norm_rope_rows, check_qk_norm_rope_args
 from epserve.kernels.wrapper_checks import check_paged_inputs
 
@@ -80,10 +80,10 @@ def _rope_decode_kernel(
     _norm_rope_rows(qptrs, qw_ptr, cos, sin, offs, q_live, eps, HALF, HAS_QW)
 
     tl.debug_barrier()  # this program's q and cache writes, visible to all of its threads
-    _decode_program(s, kvh, q_ptr, kc_ptr, vc_ptr, bt_ptr, sl_ptr, o_ptr,
-                    stride_qs, stride_qh, stride_os, stride_oh, stride_bts,
-                    stride_kcb, stride_kco, stride_kch, scale_log2, window, block_size,
-                    GROUP, GROUP_P, D, D_P, BLOCK_N, HAS_WINDOW, PRECISION, WHILE_LOOP)
+    _paged_decode_kernel(q_ptr, kc_ptr, vc_ptr, bt_ptr, sl_ptr, o_ptr,
+                         stride_qs, stride_qh, stride_os, stride_oh, stride_bts,
+                         stride_kcb, stride_kco, stride_kch, scale_log2, window, block_size,
+                         GROUP, GROUP_P, D, D_P, BLOCK_N, HAS_WINDOW, PRECISION, WHILE_LOOP)
 
 
 # triton.jit picks the interpreter from TRITON_INTERPRET when this module is imported.
