@@ -25,7 +25,8 @@ import triton
 import triton.language as tl
 
 from epserve.kernels.paged_attention_triton import _paged_decode_kernel, decode_constexprs
-from epserve.kernels.rope_triton import _norm_rope_rows, check_qk_norm_rope_args
+from epserve.kernels.rope_triton import (_norm_rope_rows, _write_kv_rows,
+                                         check_qk_norm_rope_args)
 from epserve.kernels.wrapper_checks import check_paged_inputs
 
 
@@ -47,30 +48,18 @@ def _rope_decode_kernel(
     s64 = s.to(tl.int64)
     h64 = kvh.to(tl.int64)
     offs = tl.arange(0, HALF_P)
-    one = tl.arange(0, 1)
-    # Lane bounds as integers (newer interpreters refuse a scalar bool in a mask).
-    live = offs[None, :] < tl.where(one >= 0, HALF, 0)[:, None]  # [1, HALF_P]
-    pos = tl.load(pos_ptr + s64 * stride_pos).to(tl.int64)
     hmask = offs < HALF
+    pos = tl.load(pos_ptr + s64 * stride_pos).to(tl.int64)
     cos = tl.load(cos_ptr + pos * stride_cos + offs, mask=hmask, other=0.0).to(tl.float32)[None, :]
     sin = tl.load(sin_ptr + pos * stride_sin + offs, mask=hmask, other=0.0).to(tl.float32)[None, :]
 
-    # k[s, kvh]: norm + rope in place, then K and V into the cache slot.
-    kptrs = k_ptr + (s64 * stride_ks + h64 * stride_kh + one * 0)[:, None] + offs[None, :]
-    k1, k2 = _norm_rope_rows(kptrs, kw_ptr, cos, sin, offs, live, eps, HALF, HAS_KW)
-    slot = tl.load(slot_ptr + s64 * stride_slot + one * 0).to(tl.int64)  # [1]
-    kv_live = offs[None, :] < tl.where(slot >= 0, HALF, 0)[:, None]
-    blk = slot // block_size
-    off = slot % block_size
-    kc = kc_ptr + (blk * stride_kcb + off * stride_kco + h64 * stride_kch)[:, None] + offs[None, :]
-    tl.store(kc, k1.to(kc_ptr.dtype.element_ty), mask=kv_live)
-    tl.store(kc + HALF, k2.to(kc_ptr.dtype.element_ty), mask=kv_live)
-    vrow = v_ptr + (s64 * stride_vs + h64 * stride_vh + one * 0)[:, None] + offs[None, :]
-    v1 = tl.load(vrow, mask=kv_live, other=0.0)
-    v2 = tl.load(vrow + HALF, mask=kv_live, other=0.0)
-    vc = vc_ptr + (blk * stride_vcb + off * stride_vco + h64 * stride_vch)[:, None] + offs[None, :]
-    tl.store(vc, v1.to(vc_ptr.dtype.element_ty), mask=kv_live)
-    tl.store(vc + HALF, v2.to(vc_ptr.dtype.element_ty), mask=kv_live)
+    # k[s, kvh]: norm + rope in place, then K and V into the cache slot (one row: [1, HALF_P]).
+    kptrs = k_ptr + s64 * stride_ks + h64 * stride_kh + offs[None, :]
+    k1, k2 = _norm_rope_rows(kptrs, kw_ptr, cos, sin, offs, hmask[None, :], eps, HALF, HAS_KW)
+    slot = tl.load(slot_ptr + s64 * stride_slot + tl.zeros([1], tl.int64)).to(tl.int64)  # [1]
+    vrow = v_ptr + s64 * stride_vs + h64 * stride_vh + offs[None, :]
+    _write_kv_rows(k1, k2, vrow, slot, h64, kc_ptr, vc_ptr, offs, HALF, block_size,
+                   stride_kcb, stride_kco, stride_kch, stride_vcb, stride_vco, stride_vch)
 
     # The GROUP query heads of kvh: norm + rope in place.
     offs_g = tl.arange(0, GROUP_P)

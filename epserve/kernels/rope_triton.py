@@ -65,6 +65,27 @@ def _norm_rope_rows(ptrs, w_ptr, cos, sin, offs, live, eps, HALF, HAS_W: tl.cons
     return o1, o2
 
 
+@triton.jit
+def _write_kv_rows(k1, k2, v_rows, slot, head, kc_ptr, vc_ptr, offs, HALF, block_size,
+                   stride_kcb, stride_kco, stride_kch, stride_vcb, stride_vco, stride_vch):
+    """Write R rows of kv head ``head`` ([R] or scalar) to their cache slots ``slot`` ([R]
+    int64; < 0 writes nothing): K from its rotated halves ``k1``, ``k2`` ([R, HALF_P]), V read
+    at ``v_rows`` ([R, HALF_P] pointers to first halves), each cast to its cache's dtype."""
+    # The slot condition folded into the integer bound (newer interpreters refuse a scalar
+    # bool in a mask).
+    kv_live = offs[None, :] < tl.where(slot >= 0, HALF, 0)[:, None]
+    blk = slot // block_size
+    off = slot % block_size
+    kc = kc_ptr + (blk * stride_kcb + off * stride_kco + head * stride_kch)[:, None] + offs[None, :]
+    tl.store(kc, k1.to(kc_ptr.dtype.element_ty), mask=kv_live)
+    tl.store(kc + HALF, k2.to(kc_ptr.dtype.element_ty), mask=kv_live)
+    v1 = tl.load(v_rows, mask=kv_live, other=0.0)
+    v2 = tl.load(v_rows + HALF, mask=kv_live, other=0.0)
+    vc = vc_ptr + (blk * stride_vcb + off * stride_vco + head * stride_vch)[:, None] + offs[None, :]
+    tl.store(vc, v1.to(vc_ptr.dtype.element_ty), mask=kv_live)
+    tl.store(vc + HALF, v2.to(vc_ptr.dtype.element_ty), mask=kv_live)
+
+
 # T and the k-program count change every step: no ==1 / multiple-of-16 specialization, so each
 # tile compiles once (not once per class of T met mid-run).
 @triton.jit(do_not_specialize=["num_k_programs", "num_tokens"])
@@ -103,23 +124,11 @@ def _qk_norm_rope_kernel(q_ptr, k_ptr, pos_ptr, cos_ptr, sin_ptr, qw_ptr, kw_ptr
         kptrs = k_ptr + (t64 * stride_kt + h64 * stride_kh)[:, None] + offs[None, :]
         k1, k2 = _norm_rope_rows(kptrs, kw_ptr, cos, sin, offs, live, eps, HALF, HAS_KW)
         if WRITE_KV:
+            # a row past the end reads slot -1: it writes nothing, as padding
             slot = tl.load(slot_ptr + t64 * stride_slot, mask=valid, other=-1).to(tl.int64)
-            # slot < 0 (padding) or a row past the end: no element is in range. Folded into
-            # the integer bound, as above (newer interpreters refuse a scalar bool in a mask).
-            kv_live = offs[None, :] < tl.where(slot >= 0, HALF, 0)[:, None]
-            blk = slot // block_size
-            off = slot % block_size
-            kc = (kc_ptr + (blk * stride_kcb + off * stride_kco + h64 * stride_kch)[:, None]
-                  + offs[None, :])
-            tl.store(kc, k1.to(kc_ptr.dtype.element_ty), mask=kv_live)
-            tl.store(kc + HALF, k2.to(kc_ptr.dtype.element_ty), mask=kv_live)
             vrow = v_ptr + (t64 * stride_vt + h64 * stride_vh)[:, None] + offs[None, :]
-            v1 = tl.load(vrow, mask=kv_live, other=0.0)
-            v2 = tl.load(vrow + HALF, mask=kv_live, other=0.0)
-            vc = (vc_ptr + (blk * stride_vcb + off * stride_vco + h64 * stride_vch)[:, None]
-                  + offs[None, :])
-            tl.store(vc, v1.to(vc_ptr.dtype.element_ty), mask=kv_live)
-            tl.store(vc + HALF, v2.to(vc_ptr.dtype.element_ty), mask=kv_live)
+            _write_kv_rows(k1, k2, vrow, slot, h64, kc_ptr, vc_ptr, offs, HALF, block_size,
+                           stride_kcb, stride_kco, stride_kch, stride_vcb, stride_vco, stride_vch)
     else:
         qptrs = q_ptr + (t64 * stride_qt + h64 * stride_qh)[:, None] + offs[None, :]
         _norm_rope_rows(qptrs, qw_ptr, cos, sin, offs, live, eps, HALF, HAS_QW)

@@ -115,7 +115,7 @@ class PendingSample:
         self._event.record()
 
     def result(self) -> list[SampledToken]:
-        if self._host is not None and self._event is not None:
+        if self._event is not None:  # copy_async ran: wait for that copy only
             self._event.synchronize()
             flat = self._host.tolist()
         else:

@@ -89,29 +89,17 @@ def _two_launches(c, scale, window=None):
                                      window)
 
 
-def _clone(c):
-    out = {k: (v.clone() if isinstance(v, torch.Tensor) else v) for k, v in c.items()}
-    n = c["q"].shape[1] + 2 * c["k"].shape[1]  # keep q, k, v views of one projection
-    d = c["q"].shape[2]
-    qkv = torch.cat([c["q"].reshape(len(c["q"]), -1), c["k"].reshape(len(c["k"]), -1),
-                     c["v"].reshape(len(c["v"]), -1)], dim=1).reshape(len(c["q"]), n * d)
-    hq, hkv = c["q"].shape[1], c["k"].shape[1]
-    out["q"] = qkv[:, :hq * d].view(-1, hq, d)
-    out["k"] = qkv[:, hq * d:(hq + hkv) * d].view(-1, hkv, d)
-    out["v"] = qkv[:, (hq + hkv) * d:].view(-1, hkv, d)
-    return out
-
-
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=["fp32", "fp16"])
 @pytest.mark.parametrize("norm", [True, False], ids=["qk_norm", "no_qk_norm"])
 @pytest.mark.parametrize("heads", [(4, 4), (4, 2), (8, 2)], ids=["mha", "gqa2", "gqa4"])
 def test_matches_the_two_launches(dtype, norm, heads):
     hq, hkv = heads
-    c = _case([1, 6, 13, 9], hq, hkv, 16, dtype, seed=hq * 7 + hkv, pad_row=3)
+    # three copies of the same inputs (same seed): fused, two launches, references
+    c, base, ref = (_case([1, 6, 13, 9], hq, hkv, 16, dtype, seed=hq * 7 + hkv, pad_row=3)
+                    for _ in range(3))
     if not norm:
-        c["qw"] = c["kw"] = None
-    base = _clone(c)
-    ref = _clone(c)
+        for case in (c, base, ref):
+            case["qw"] = case["kw"] = None
     scale = 16 ** -0.5
     got = _fused(c, scale)
     want = _two_launches(base, scale)
@@ -130,8 +118,7 @@ def test_matches_the_two_launches(dtype, norm, heads):
 
 
 def test_sliding_window():
-    c = _case([11, 3], 4, 2, 16, torch.float32, seed=5)
-    base = _clone(c)
+    c, base = (_case([11, 3], 4, 2, 16, torch.float32, seed=5) for _ in range(2))
     torch.testing.assert_close(_fused(c, 0.25, window=4), _two_launches(base, 0.25, window=4),
                                **TOL[torch.float32])
 
@@ -161,8 +148,7 @@ def test_attention_layer_entry_takes_one_launch_for_a_pure_decode_step(monkeypat
     fused = rd.rope_paged_decode_triton
     monkeypatch.setattr(rd, "rope_paged_decode_triton",
                         lambda *a, **kw: calls.append(1) or fused(*a, **kw))
-    c = _case([4, 9, 2], 8, 2, 16, torch.float32, seed=9)
-    other = _clone(c)
+    c, other = (_case([4, 9, 2], 8, 2, 16, torch.float32, seed=9) for _ in range(2))
     outs = []
     for case, lens_t in ((c, c["seq_lens"]), (other, None)):
         meta = AttentionMetadata(slot_mapping=case["slots"], query_start_loc=(0, 1, 2, 3),
