@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import Any, Sequence
 
 from epserve.head.engine import Engine, EngineConfig
+from epserve.head.limits import RequestLimits
 from epserve.head.scheduler import SchedulerConfig
 from epserve.models.config import CheckpointError, ModelConfig
 from epserve.worker.runner import Runner, RunnerConfig
@@ -42,6 +43,12 @@ class EngineArgs:
     gpu_memory_utilization: float = 0.9
     enforce_eager: bool = False
     decode_lookahead: bool | None = None
+    # per-request bounds (head/limits.py): a request over one is refused naming its field
+    max_n: int = RequestLimits.max_n
+    max_stop_strings: int = RequestLimits.max_stop_strings
+    max_stop_chars: int = RequestLimits.max_stop_chars
+    max_stop_token_ids: int = RequestLimits.max_stop_token_ids
+    max_logprobs: int = RequestLimits.max_logprobs
 
     def __post_init__(self) -> None:
         for name in ("block_size", "max_num_seqs", "max_num_batched_tokens", "ep_size"):
@@ -66,6 +73,13 @@ class EngineArgs:
             v = getattr(self, name)
             if v is not None and (isinstance(v, bool) or not isinstance(v, int) or v < 1):
                 raise ValueError(f"{name} must be a positive integer or None, got {v!r}")
+        self.request_limits()  # its ValueError names the option
+
+    def request_limits(self) -> RequestLimits:
+        return RequestLimits(max_n=self.max_n, max_stop_strings=self.max_stop_strings,
+                             max_stop_chars=self.max_stop_chars,
+                             max_stop_token_ids=self.max_stop_token_ids,
+                             max_logprobs=self.max_logprobs)
 
     def resolved(self) -> "EngineArgs":
         """The same args with ``model`` set (the demo model is built when it is None)."""
@@ -160,5 +174,6 @@ def build_engine(args: EngineArgs, runner: Any = None) -> tuple[Engine, Any, Any
         scheduler=SchedulerConfig(
             max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
             long_prefill_token_threshold=args.long_prefill_token_threshold,
-            enable_prefix_caching=args.enable_prefix_caching)))
+            enable_prefix_caching=args.enable_prefix_caching),
+        limits=args.request_limits()))
     return engine, runner, tok

@@ -40,6 +40,23 @@ def _engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--seed", type=int, default=0)
 
 
+def _limit_args(p: argparse.ArgumentParser) -> None:
+    """Per-request bounds (epserve.head.limits): a request over one gets a 400 naming it."""
+    from epserve.head.limits import RequestLimits
+
+    d = RequestLimits()
+    g = p.add_argument_group("per-request limits")
+    g.add_argument("--max-n", type=int, default=d.max_n, help="most choices (n) per request")
+    g.add_argument("--max-stop-strings", type=int, default=d.max_stop_strings,
+                   help="most stop strings per request")
+    g.add_argument("--max-stop-chars", type=int, default=d.max_stop_chars,
+                   help="most characters of all a request's stop strings together")
+    g.add_argument("--max-stop-token-ids", type=int, default=d.max_stop_token_ids,
+                   help="most stop_token_ids per request")
+    g.add_argument("--max-logprobs", type=int, default=d.max_logprobs,
+                   help="most logprobs / prompt_logprobs alternatives per token (<= 20)")
+
+
 def _parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(prog="epserve", description=__doc__.splitlines()[0])
     sub = ap.add_subparsers(dest="command", required=True)
@@ -58,6 +75,7 @@ def _parser() -> argparse.ArgumentParser:
                    help="wrap the prompt as a user message in the chat template")
     s = sub.add_parser("serve", help="serve the OpenAI-compatible HTTP API")
     _engine_args(s)
+    _limit_args(s)
     s.add_argument("--host", default="127.0.0.1")
     s.add_argument("--port", type=int, default=8000)
     s.add_argument("--api-key", default=None,

@@ -3,7 +3,10 @@
 Invariants: models are strict (a bool is not an int, a string is not a number) and ignore
 unknown fields as vLLM does; every integer is bounded so no value reaches a tensor it cannot
 fit; ``sampling_kwargs`` returns plain ``SamplingParams`` keywords that have been checked by
-constructing ``SamplingParams`` (its ``ValueError`` becomes a 400 naming the field).
+constructing ``SamplingParams`` (its ``ValueError`` becomes a 400 naming the field). The
+per-request work limits (``n``, stop strings, stop ids, logprobs: ``head/limits.py``) are the
+engine's, configured there and checked by it before the request is queued; its ``ValueError``
+reaches the client as the same 400 naming the field, so the edge keeps no copy of them.
 """
 
 from __future__ import annotations
@@ -15,8 +18,8 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 from epserve.deploy.errors import bad_request, from_value_error
 from epserve.head.sampling_params import SamplingParams
 
-#: Bounds beyond SamplingParams's own: choices per prompt, prompts per request, int32/int64.
-MAX_N = 128
+#: Bounds beyond SamplingParams's own and the engine's: prompts per request, choices over
+#: several prompts (prompts x n), int32/int64.
 MAX_PROMPTS = 256
 MAX_CHOICES = 1024
 INT32 = 2**31 - 1
@@ -42,9 +45,9 @@ class _SamplingRequest(BaseModel):
     top_k: int | None = Field(None, ge=-INT32, le=INT32)
     min_p: float | None = None
     seed: int | None = Field(None, ge=-(2**63), lt=2**64)
-    n: int = Field(1, le=MAX_N)
+    n: int = Field(1, le=INT32)
     stop: str | list[str] | None = None
-    stop_token_ids: list[int] | None = Field(None, max_length=4096)
+    stop_token_ids: list[int] | None = None
     ignore_eos: bool = False
     min_tokens: int = Field(0, le=INT32)
     prompt_logprobs: int | None = Field(None, le=INT32)
@@ -87,7 +90,7 @@ class CompletionRequest(_SamplingRequest):
     prompt: Union[str, list[str], TokenIds, list[TokenIds]]
     logprobs: int | None = Field(None, le=INT32)
     suffix: str | None = None
-    best_of: int | None = Field(None, le=MAX_N)
+    best_of: int | None = Field(None, le=INT32)
 
     def prompts(self) -> list[str | list[int]]:
         """The prompts as a list of texts or token-id lists (one per choice group)."""
@@ -100,7 +103,8 @@ class CompletionRequest(_SamplingRequest):
             out = [p]
         else:
             out = list(p)
-        if len(out) > MAX_PROMPTS or len(out) * self.n > MAX_CHOICES:
+        # one prompt's n is the engine's to bound (max_n); this bounds the fan-out of several
+        if len(out) > MAX_PROMPTS or (len(out) > 1 and len(out) * self.n > MAX_CHOICES):
             raise bad_request(f"at most {MAX_PROMPTS} prompts and {MAX_CHOICES} choices "
                               f"(prompts x n) per request", param="prompt")
         return out

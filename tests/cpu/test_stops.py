@@ -3,6 +3,7 @@
 import pytest
 from hypothesis import given, settings, strategies as st
 
+from epserve.head.stop_automaton import StopAutomaton
 from epserve.head.stops import StopChecker
 
 EOS = 2
@@ -139,6 +140,97 @@ def test_delta_sizes_do_not_change_the_cut(text, stops, cuts, include):
     for pos, safe in safes:
         # Streamed text never holds anything that could still turn out to be cut away.
         assert safe <= pos and (want is None or safe <= want)
+
+
+def _first_stop_by_char(text, token_ends, stops, min_tokens, include):
+    """The spec, checked after every single character: the first position where a stop ends
+    (the longest of those ending there), counting only characters of tokens n >= min_tokens."""
+    n_at = []  # output tokens existing when each character appeared
+    prev = 0
+    for n, end in enumerate(token_ends, start=1):
+        n_at += [n] * (end - prev)
+        prev = end
+    for p in range(1, len(text) + 1):
+        if n_at[p - 1] < min_tokens:
+            continue
+        ending = [s for s in stops if text[:p].endswith(s)]
+        if ending:
+            s = max(ending, key=len)
+            return (p if include else p - len(s)), s
+    return None
+
+
+def _held_back(text, stops):
+    """The spec of safe_stream_len: the longest suffix that is a proper prefix of a stop."""
+    return max((k for s in stops for k in range(len(s)) if text.endswith(s[:k])), default=0)
+
+
+@settings(max_examples=400, deadline=None)
+@given(text=st.text(alphabet="ab\u00e9\U0001f600", max_size=40),
+       stops=st.lists(st.text(alphabet="ab\u00e9\U0001f600", min_size=1, max_size=5),
+                      min_size=1, max_size=6, unique=True),
+       cuts=st.lists(st.integers(1, 5), max_size=40), include=st.booleans(),
+       min_tokens=st.integers(0, 6))
+def test_matches_the_per_character_spec(text, stops, cuts, include, min_tokens):
+    c = make(stop=stops, include=include, min_tokens=min_tokens)
+    ends, pos = [], 0
+    for step in cuts + [len(text)]:
+        if pos >= len(text):
+            break
+        pos = min(len(text), pos + step)
+        ends.append(pos)
+    want = _first_stop_by_char(text, ends, stops, min_tokens, include)
+    got, before = None, 0
+    for n, end in enumerate(ends, start=1):
+        got = c.find_stop(text[:end], end - before, n)
+        before = end
+        if got is not None:
+            break
+        if not include:
+            assert c.safe_stream_len(text[:end]) == end - _held_back(text[:end], stops)
+    assert got == want
+
+
+def test_a_stop_completed_under_min_tokens_does_not_stop_later():
+    c = make(stop=["abc", "x"], min_tokens=3)
+    text = ""
+    for n, delta in enumerate(["x", "y", "z"], start=1):
+        text += delta
+        assert c.find_stop(text, 1, n) is None
+        # a whole stop under min_tokens is plain text: nothing of it is held back
+        assert c.safe_stream_len(text) == len(text)
+    text += "x"
+    assert c.find_stop(text, 1, 4) == (3, "x")
+
+
+def test_completions_share_one_automaton_and_keep_their_own_state():
+    stops = ("<end>", "STOP")
+    a = StopAutomaton(stops)
+    one, two = (StopChecker(stop=stops, stop_token_ids=frozenset(), eos_token_ids=frozenset(),
+                            ignore_eos=False, min_tokens=0, max_tokens=100,
+                            include_stop_str_in_output=False, automaton=a) for _ in range(2))
+    t1, t2 = "", ""
+    for d1, d2 in [("ab<e", "ST"), ("n", "O"), ("d>", "x")]:
+        t1, t2 = t1 + d1, t2 + d2
+        r1, r2 = one.find_stop(t1, len(d1)), two.find_stop(t2, len(d2))
+    assert r1 == (2, "<end>") and r2 is None
+    assert two.safe_stream_len(t2) == len(t2)
+    with pytest.raises(ValueError):
+        StopChecker(stop=("other",), stop_token_ids=frozenset(), eos_token_ids=frozenset(),
+                    ignore_eos=False, min_tokens=0, max_tokens=100,
+                    include_stop_str_in_output=False, automaton=a)
+
+
+def test_ten_thousand_stops_answer_like_the_one_that_matches():
+    """Many stops that never occur change no answer (their cost is test_request_limits')."""
+    many = [f"stop{i:05d}" for i in range(10_000)] + ["END"]
+    c, one = make(stop=many), make(stop=["END"])
+    text = ""
+    for delta in ["hello ", "wor", "ld E", "N", "D!"]:
+        text += delta
+        assert c.find_stop(text, len(delta)) == one.find_stop(text, len(delta))
+        assert c.safe_stream_len(text) == one.safe_stream_len(text)
+    assert c.find_stop(text, 0) is None
 
 
 def test_rejects_bad_config():
