@@ -2,15 +2,15 @@
 
 Invariants: every answer that is not a success is OpenAI's error JSON (unknown routes and
 methods included, and any unexpected exception, which is logged and answered 500 without
-internals); /v1/* needs the API key when one is set (compared in constant time); a body is
-read within ``max_body_bytes`` and parsed with bounded depth before any model is built from
-it; pydantic stays at this edge — the engine gets plain values.
+internals); every path but /health needs the API key when one is set, and a body is read only
+as application/json, within ``max_body_bytes`` and ``body_read_timeout_s`` (``gate``), and
+parsed with bounded depth before any model is built from it; pydantic stays at this edge —
+the engine gets plain values.
 """
 
 from __future__ import annotations
 
 import asyncio
-import hmac
 import logging
 from typing import Any, Mapping
 
@@ -21,7 +21,8 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from epserve.deploy.config import AppConfig
-from epserve.deploy.errors import ApiError, parse_json_object, read_body
+from epserve.deploy.errors import ApiError
+from epserve.deploy.gate import AuthMiddleware, Gate, error_response
 from epserve.deploy.metrics import CONTENT_TYPE, ServerMetrics
 from epserve.deploy.serving import ModelInfo, OpenAIServing
 
@@ -30,40 +31,12 @@ log = logging.getLogger(__name__)
 _SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
 
 
-def _error_response(exc: ApiError) -> JSONResponse:
-    headers = {"WWW-Authenticate": "Bearer"} if exc.status == 401 else None
-    return JSONResponse(exc.body(), status_code=exc.status, headers=headers)
-
-
-class Gate:
-    """Auth and body limits of one ingress (what every route checks first)."""
-
-    def __init__(self, api_key: str | None, max_body_bytes: int):
-        self._key = api_key.encode("utf-8") if api_key else None
-        self.max_body_bytes = max_body_bytes
-
-    def check_auth(self, request: Request) -> None:
-        if self._key is None:
-            return
-        header = request.headers.get("authorization", "")
-        scheme, _, token = header.partition(" ")
-        given = token.strip().encode("utf-8", "surrogateescape") \
-            if scheme.lower() == "bearer" else b""
-        # Constant time in the key's content: compare_digest on equal-type bytes.
-        if not hmac.compare_digest(given, self._key):
-            raise ApiError(401, "Incorrect or missing API key. Send it as the header "
-                           "'Authorization: Bearer <key>'.", code="invalid_api_key")
-
-    async def json(self, request: Request) -> dict[str, Any]:
-        self.check_auth(request)
-        return parse_json_object(await read_body(request, self.max_body_bytes))
-
-
 def make_fastapi_app(serving: OpenAIServing, gate: Gate) -> FastAPI:
     """The OpenAI routes over ``serving``; usable without Ray Serve (e.g. under uvicorn)."""
     app = FastAPI(title="epserve", summary="OpenAI-compatible API of an epserve engine",
                   version="0.1.0")
     _install_error_handlers(app)
+    app.add_middleware(AuthMiddleware, gate=gate)  # outermost: before docs pages and 404s
 
     def _respond(result: Any) -> Response:
         if isinstance(result, dict):
@@ -79,8 +52,7 @@ def make_fastapi_app(serving: OpenAIServing, gate: Gate) -> FastAPI:
         return _respond(await serving.chat(await gate.json(request)))
 
     @app.get("/v1/models")
-    async def models(request: Request) -> Response:
-        gate.check_auth(request)
+    async def models() -> Response:
         return JSONResponse(serving.models())
 
     @app.post("/tokenize")
@@ -96,7 +68,7 @@ def make_fastapi_app(serving: OpenAIServing, gate: Gate) -> FastAPI:
         ok, reason = await serving.client.health()
         if ok:
             return Response(status_code=200)
-        return _error_response(ApiError(503, f"unhealthy: {reason}", code="engine_unavailable"))
+        return error_response(ApiError(503, f"unhealthy: {reason}", code="engine_unavailable"))
 
     @app.get("/metrics")
     async def metrics() -> Response:
@@ -109,20 +81,20 @@ def make_fastapi_app(serving: OpenAIServing, gate: Gate) -> FastAPI:
 def _install_error_handlers(app: FastAPI) -> None:
     @app.exception_handler(ApiError)
     async def api_error(_: Request, exc: ApiError) -> Response:
-        return _error_response(exc)
+        return error_response(exc)
 
     @app.exception_handler(StarletteHTTPException)
     async def http_error(_: Request, exc: StarletteHTTPException) -> Response:
-        return _error_response(ApiError(exc.status_code, str(exc.detail)))
+        return error_response(ApiError(exc.status_code, str(exc.detail)))
 
     @app.exception_handler(RequestValidationError)
     async def validation_error(_: Request, exc: RequestValidationError) -> Response:
-        return _error_response(ApiError(400, str(exc.errors()[:1])))
+        return error_response(ApiError(400, str(exc.errors()[:1])))
 
     @app.exception_handler(Exception)
     async def unexpected(_: Request, exc: Exception) -> Response:
         log.exception("unexpected error in a request")
-        return _error_response(ApiError(500, "internal server error", code="internal_error"))
+        return error_response(ApiError(500, "internal server error", code="internal_error"))
 
 
 async def connect(config: AppConfig) -> tuple[OpenAIServing, Gate]:
@@ -146,7 +118,8 @@ async def connect(config: AppConfig) -> tuple[OpenAIServing, Gate]:
                      max_model_len=int(facts["max_model_len"]),
                      vocab_size=int(facts["vocab_size"]))
     serving = OpenAIServing(client, tokenizer, info, ServerMetrics(info.name))
-    return serving, Gate(config.resolved_api_key(), config.max_body_bytes)
+    return serving, Gate(config.resolved_api_key(), config.max_body_bytes,
+                         config.body_read_timeout_s)
 
 
 @serve.deployment(name="OpenAIIngress", ray_actor_options={"num_cpus": 0},
@@ -165,8 +138,9 @@ class OpenAIIngress:
 
 def build_app(config: Mapping[str, Any] | AppConfig | None = None) -> Any:
     """The Serve application for ``config`` (serve.yaml's ``args``, flat: engine options as
-    ``EngineArgs`` names them, plus ``api_key``, ``max_body_bytes``, ``head_name``,
-    ``num_replicas``, ``max_ongoing_requests``). Nothing loads until a replica starts."""
+    ``EngineArgs`` names them, plus ``api_key``, ``max_body_bytes``, ``body_read_timeout_s``,
+    ``head_name``, ``num_replicas``, ``max_ongoing_requests``). Nothing loads until a replica
+    starts."""
     cfg = config if isinstance(config, AppConfig) else AppConfig.from_dict(config)
     return OpenAIIngress.options(
         num_replicas=cfg.num_replicas, max_ongoing_requests=cfg.max_ongoing_requests,

@@ -1,13 +1,16 @@
 """AppConfig: what ``build_app`` takes (from ``serve.yaml`` args, the CLI, or Python).
 
 Invariants: engine options are exactly ``EngineArgs``'s fields and server options this class's
-own; an unknown key or a bad value raises ``ValueError`` naming it before anything starts; the
-config crosses to the ingress replica as a plain dict.
+own; an unknown key or a bad value raises ``ValueError`` naming it before anything starts; an
+API key (given or from ``$EPSERVE_API_KEY``) is used stripped of surrounding whitespace, and
+one that is empty after stripping is refused, never taken as "no auth"; the config crosses to
+the ingress replica as a plain dict.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import math
 import os
 from dataclasses import dataclass, field
 from typing import Any, Mapping
@@ -19,6 +22,8 @@ from epserve.cluster.engine_args import EngineArgs
 DEMO_SERVED_NAME = "epserve-demo"
 API_KEY_ENV = "EPSERVE_API_KEY"
 DEFAULT_MAX_BODY_BYTES = 1 << 20
+#: Seconds a request's whole body may take to arrive once its handler starts (then a 408).
+DEFAULT_BODY_READ_TIMEOUT_S = 30.0
 
 
 @dataclass(frozen=True)
@@ -29,6 +34,7 @@ class AppConfig:
     engine: EngineArgs = field(default_factory=EngineArgs)
     api_key: str | None = None
     max_body_bytes: int = DEFAULT_MAX_BODY_BYTES
+    body_read_timeout_s: float = DEFAULT_BODY_READ_TIMEOUT_S
     head_name: str = HEAD_NAME
     num_replicas: int = 1
     max_ongoing_requests: int = 1024
@@ -38,8 +44,17 @@ class AppConfig:
             v = getattr(self, name)
             if isinstance(v, bool) or not isinstance(v, int) or v < 1:
                 raise ValueError(f"{name} must be a positive integer, got {v!r}")
-        if self.api_key is not None and (not isinstance(self.api_key, str) or not self.api_key):
-            raise ValueError("api_key must be a non-empty string or None")
+        t = self.body_read_timeout_s
+        if isinstance(t, bool) or not isinstance(t, (int, float)) or not (
+                math.isfinite(t) and t > 0):
+            raise ValueError(f"body_read_timeout_s must be a positive number of seconds, "
+                             f"got {t!r}")
+        if self.api_key is not None:
+            if not isinstance(self.api_key, str):
+                raise ValueError("api_key must be a string or None")
+            # frozen: the stripped key replaces the given one (an env file's trailing newline
+            # would otherwise make a key no client can send)
+            object.__setattr__(self, "api_key", _stripped_key(self.api_key, "api_key"))
         if not isinstance(self.head_name, str) or not self.head_name:
             raise ValueError(f"head_name must be a non-empty string, got {self.head_name!r}")
 
@@ -49,7 +64,12 @@ class AppConfig:
         return e.served_model_name or e.model or DEMO_SERVED_NAME
 
     def resolved_api_key(self) -> str | None:
-        return self.api_key or os.environ.get(API_KEY_ENV) or None
+        """The key to require: ``api_key``, else ``$EPSERVE_API_KEY`` when set (stripped;
+        set but blank is an error), else None (no auth)."""
+        if self.api_key is not None:
+            return self.api_key
+        env = os.environ.get(API_KEY_ENV)
+        return None if env is None else _stripped_key(env, API_KEY_ENV)
 
     def engine_args(self) -> EngineArgs:
         """The engine's args with the served name filled in (the head reports it)."""
@@ -66,3 +86,11 @@ class AppConfig:
         own = {f.name for f in dataclasses.fields(cls)} - {"engine"}
         mine = {k: d.pop(k) for k in list(d) if k in own}
         return cls(engine=EngineArgs.from_dict(d), **mine)
+
+
+def _stripped_key(key: str, source: str) -> str:
+    stripped = key.strip()
+    if not stripped:
+        raise ValueError(f"{source} is empty or only whitespace; give a key, or leave it unset "
+                         f"for a server without auth")
+    return stripped

@@ -15,10 +15,8 @@ from typing import Any
 
 MAX_JSON_DEPTH = 32
 
-_TYPES = {400: "invalid_request_error", 401: "invalid_request_error",
-          404: "invalid_request_error", 405: "invalid_request_error",
-          413: "invalid_request_error", 415: "invalid_request_error",
-          422: "invalid_request_error", 500: "server_error", 503: "service_unavailable"}
+# OpenAI's ``type`` by status; any other 4xx is an invalid request, any other 5xx server_error
+_TYPES = {500: "server_error", 503: "service_unavailable"}
 
 _FIELD_IN_MESSAGE = re.compile(r"SamplingParams\.(\w+)")
 
@@ -33,7 +31,8 @@ class ApiError(Exception):
         self.message = message
         self.param = param
         self.code = code
-        self.type = type or _TYPES.get(status, "invalid_request_error")
+        self.type = type or _TYPES.get(
+            status, "server_error" if status >= 500 else "invalid_request_error")
 
     def body(self) -> dict[str, Any]:
         return {"error": {"message": self.message, "type": self.type, "param": self.param,

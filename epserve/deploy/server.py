@@ -81,6 +81,7 @@ def serve_main(args: argparse.Namespace) -> int:
     from epserve.cluster.bringup import init_ray, start_head, stop_head
     from epserve.cluster.engine_args import check_model_path
     from epserve.deploy.app import build_app
+    from epserve.deploy.proxy_edge import serve_start
 
     cfg = config_from_args(args)
     check_model_path(cfg.engine_args().resolved().model)  # one clear line before Ray starts
@@ -91,7 +92,8 @@ def serve_main(args: argparse.Namespace) -> int:
     try:
         _say(f"loading {cfg.engine.model or 'the built-in demo model (random weights)'} ...")
         start_head(cfg.engine_args(), cfg.head_name)
-        serve.start(http_options={"host": args.host, "port": args.port})
+        # the proxy's own errors as OpenAI JSON, and a deadline on request heads
+        serve_start({"host": args.host, "port": args.port})
         try:
             serve.run(build_app(cfg), name=APP_NAME, route_prefix="/", blocking=False)
         except RuntimeError as exc:  # Serve's DeploymentFailed etc.: one line for the CLI

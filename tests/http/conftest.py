@@ -6,7 +6,8 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
-from serverkit import API_KEY, APP_NAME, HEAD_NAME, Server, free_port
+from serverkit import (API_KEY, APP_NAME, BODY_READ_TIMEOUT_S, HEADER_READ_TIMEOUT_S, HEAD_NAME,
+                       Server, free_port)
 
 
 _HERE = Path(__file__).parent
@@ -31,12 +32,13 @@ def server(ray_cluster, demo_model_dir) -> Server:
 
     from epserve.cluster.bringup import stop_head
     from epserve.deploy.app import build_app
+    from epserve.deploy.proxy_edge import serve_start
 
     port = free_port()
-    serve.start(http_options={"host": "127.0.0.1", "port": port})
+    serve_start({"host": "127.0.0.1", "port": port}, header_read_timeout_s=HEADER_READ_TIMEOUT_S)
     app = build_app({"model": str(demo_model_dir), "dtype": "float32", "seed": 0,
                      "served_model_name": "demo", "api_key": API_KEY, "head_name": HEAD_NAME,
-                     "max_body_bytes": 1 << 20})
+                     "max_body_bytes": 1 << 20, "body_read_timeout_s": BODY_READ_TIMEOUT_S})
     _CLEANUPS.append(lambda: stop_head(HEAD_NAME))
     _CLEANUPS.append(serve.shutdown)
     serve.run(app, name=APP_NAME, route_prefix="/", blocking=False)

@@ -11,6 +11,9 @@ from dataclasses import dataclass
 API_KEY = "test-key-0123456789"
 HEAD_NAME = "epserve-head-http-tests"
 APP_NAME = "epserve-http-tests"
+# short deadlines, so the tests of a stalled head or body wait seconds, not the defaults' 30
+HEADER_READ_TIMEOUT_S = 4.0
+BODY_READ_TIMEOUT_S = 4.0
 
 
 def free_port() -> int:
@@ -41,7 +44,7 @@ def scrape(server: Server) -> dict[str, float]:
     """GET /metrics as {'name{labels}': value} (labels as written)."""
     import requests
 
-    r = requests.get(f"{server.base}/metrics", timeout=30)
+    r = requests.get(f"{server.base}/metrics", headers=server.auth, timeout=30)
     assert r.status_code == 200, r.text
     out = {}
     for line in r.text.splitlines():

@@ -1,5 +1,6 @@
-"""API-key auth on /v1/*, /health, and a client that goes away mid-request: its request is
-aborted and its KV freed (the running gauge drops back to 0 long before it could finish)."""
+"""API-key auth on /v1/*, /metrics and /health, and a client that goes away mid-request: its
+request is aborted and its KV freed (the running gauge drops back to 0 long before it could
+finish)."""
 
 from __future__ import annotations
 
@@ -37,9 +38,10 @@ def test_right_key_is_200_and_openai_client_sends_it(server, client):
         bad.models.list()
 
 
-def test_health_and_metrics_need_no_key(server):
+def test_health_needs_no_key_and_metrics_does(server):
     assert requests.get(server.base + "/health", timeout=30).status_code == 200
-    r = requests.get(server.base + "/metrics", timeout=30)
+    assert requests.get(server.base + "/metrics", timeout=30).status_code == 401
+    r = requests.get(server.base + "/metrics", headers=server.auth, timeout=30)
     assert r.status_code == 200 and "vllm:num_requests_running" in r.text
 
 
