@@ -1,11 +1,15 @@
 """The EP step command: one msgpack frame per forward pass, leader to every rank.
 
 Owns the wire schema (``StepCommand`` and its row types), its encoder, and a strict decoder.
-Invariants: nothing is pickled; a frame is a msgpack array whose first element is the
-``PROTOCOL_VERSION``; every field has one exact type (ints are ints, never bools); a frame
-above ``MAX_FRAME_BYTES`` is refused on both ends; the decoder turns any malformed bytes into
-``ProtocolError`` and nothing else. Semantic checks (known slots, block ranges, sampling
-values) are not here: they need the ranks' state (``worker.ep_state``).
+Invariants: nothing is pickled; a frame is the msgpack array ``[PROTOCOL_VERSION, step_id,
+kind, <row tables>]`` and is read against exactly that layout (``worker.wire``); every row kind
+travels as one bin of fixed-width little-endian records (ints are int64, seeds uint64, floats
+float64, bools one byte of 0 or 1) and, where its rows carry ids (chunk tokens, block ids,
+banned ids), one bin of int32 ids; a frame above ``MAX_FRAME_BYTES`` is refused on both ends;
+the decoder turns any malformed bytes into ``ProtocolError`` and nothing else, and costs at
+most about 3x the frame's size in memory (rows are built when read). Semantic checks (known
+slots, block ranges, sampling values) are not here: they need the ranks' state
+(``worker.ep_state``); ``WireLimits`` only caps sizes no correct leader exceeds.
 
 After a sequence's first appearance (``NewSeq``) only what changed travels: chunk tokens,
 decode feeds (a token id, or ``FEED_DEVICE``: the token this rank sampled for the slot last
@@ -15,12 +19,18 @@ step), new block-table entries, sampling updates, releases.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, Sequence
+from typing import Sequence
 
 import msgpack
 import numpy as np
 
-PROTOCOL_VERSION = 1
+# ProtocolError and Ints belong to the wire; ranks and the leader import them from here.
+from epserve.worker.wire import (
+    F64, I64, U64, Ints, ProtocolError, TableSpec, decode_table, encode_table, ids_spec,
+    read_fields,
+)
+
+PROTOCOL_VERSION = 2  # 2: row tables of fixed-width records instead of nested msgpack arrays
 MAX_FRAME_BYTES = 64 * 2**20
 FEED_DEVICE = -1  # a decode row's token is the one its rank sampled for the slot last step
 
@@ -28,20 +38,34 @@ KIND_STEP = 0
 KIND_SHUTDOWN = 1
 
 
-class ProtocolError(ValueError):
-    """A frame that is not a well-formed StepCommand (the channel may be broken)."""
+@dataclass(frozen=True, slots=True)
+class WireLimits:
+    """Sizes a correct leader never exceeds, known to every rank: ``world_size * max_slots``
+    rows of any one kind (and decode plus prefill rows together), ``max_blocks_per_seq`` block
+    ids per update and, when given, ``max_step_tokens`` prefill tokens per command. A frame
+    beyond them is a ``ProtocolError`` before any row is built."""
+
+    world_size: int
+    max_slots: int
+    max_blocks_per_seq: int
+    max_step_tokens: int | None = None
+
+    @property
+    def max_rows(self) -> int:
+        return self.world_size * self.max_slots
 
 
 @dataclass(frozen=True, slots=True)
 class Sampling:
-    """A row's sampling on the wire (``models.traits.RowSampling``'s fields; logprobs -1=None)."""
+    """A row's sampling on the wire (``models.traits.RowSampling``'s fields; logprobs -1=None).
+    ``banned``: a tuple when built by the leader, ``Ints`` when decoded (equal either way)."""
 
     temperature: float
     top_p: float
     top_k: int
     min_p: float
     seed: int
-    banned: tuple[int, ...]
+    banned: Sequence[int]
     logprobs: int
 
 
@@ -74,7 +98,7 @@ class BlockUpdate:
     rank: int
     slot: int
     first: int
-    blocks: tuple[int, ...]
+    blocks: Sequence[int]
 
 
 @dataclass(frozen=True, slots=True)
@@ -99,10 +123,13 @@ class DecodeRows:
 
     __slots__ = ("cols",)
 
-    def __init__(self, cols: "np.ndarray | None" = None):
+    def __init__(self, cols: "np.ndarray | None" = None, *, fits: bool = False):
+        """``fits``: the caller knows every value fits in int32 (decoded, or joined checked)."""
         c = np.zeros((4, 0), dtype=np.int64) if cols is None else np.asarray(cols, np.int64)
         if c.ndim != 2 or c.shape[0] != 4:
             raise ProtocolError(f"decode rows: expected 4 columns, got shape {c.shape}")
+        if not fits and c.size and (c.min() < -(2**31) or c.max() >= 2**31):
+            raise ProtocolError("decode rows: a value does not fit in int32")
         self.cols = c
 
     @classmethod
@@ -112,8 +139,6 @@ class DecodeRows:
             cols = np.array([rank, slot, feed, output_index], dtype=np.int64).reshape(4, -1)
         except (OverflowError, ValueError, TypeError) as exc:
             raise ProtocolError(f"decode rows: {exc}") from None
-        if cols.size and (cols.min() < -(2**31) or cols.max() >= 2**31):
-            raise ProtocolError("decode rows: a value does not fit in int32")
         return cls(cols)
 
     @classmethod
@@ -130,7 +155,7 @@ class DecodeRows:
 
     def __add__(self, other: "tuple[DecodeRow, ...] | DecodeRows") -> "DecodeRows":
         extra = other if isinstance(other, DecodeRows) else DecodeRows.from_rows(other)
-        return DecodeRows(np.concatenate([self.cols, extra.cols], axis=1))
+        return DecodeRows(np.concatenate([self.cols, extra.cols], axis=1), fits=True)
 
     def __eq__(self, other: object) -> bool:
         if isinstance(other, tuple):
@@ -144,10 +169,12 @@ class DecodeRows:
         return self.cols.astype("<i4").tobytes()
 
     @classmethod
-    def from_bytes(cls, blob: bytes) -> "DecodeRows":
+    def from_bytes(cls, blob: bytes, max_rows: int | None = None) -> "DecodeRows":
         if len(blob) % 16:
             raise ProtocolError(f"decode rows: {len(blob)} bytes is not a whole number of rows")
-        return cls(np.frombuffer(blob, dtype="<i4").astype(np.int64).reshape(4, -1))
+        if max_rows is not None and len(blob) // 16 > max_rows:
+            raise ProtocolError(f"decode rows: {len(blob) // 16} rows exceed {max_rows}")
+        return cls(np.frombuffer(blob, dtype="<i4").astype(np.int64).reshape(4, -1), fits=True)
 
 
 @dataclass(frozen=True, slots=True)
@@ -158,7 +185,7 @@ class PrefillRow:
     rank: int
     slot: int
     start: int
-    tokens: tuple[int, ...]
+    tokens: Sequence[int]  # a tuple when built by the leader, ``Ints`` when decoded
     sample: bool
     output_index: int
     next_token: int
@@ -167,45 +194,81 @@ class PrefillRow:
 @dataclass(frozen=True, slots=True)
 class StepCommand:
     """Everything every rank needs for one step, in apply order: releases, new sequences,
-    sampling updates, block updates, then the rows (decode rows first, then prefill)."""
+    sampling updates, block updates, then the rows (decode rows first, then prefill). Row
+    fields are tuples when built by the leader, ``wire.Table`` when decoded (equal either way)."""
 
     step_id: int
     kind: int = KIND_STEP
-    releases: tuple[Release, ...] = ()
-    new_seqs: tuple[NewSeq, ...] = ()
-    sampling_updates: tuple[SamplingUpdate, ...] = ()
-    block_updates: tuple[BlockUpdate, ...] = ()
+    releases: Sequence[Release] = ()
+    new_seqs: Sequence[NewSeq] = ()
+    sampling_updates: Sequence[SamplingUpdate] = ()
+    block_updates: Sequence[BlockUpdate] = ()
     decode: DecodeRows = field(default_factory=DecodeRows)
-    prefill: tuple[PrefillRow, ...] = ()
+    prefill: Sequence[PrefillRow] = ()
 
     def __post_init__(self) -> None:
         if not isinstance(self.decode, DecodeRows):  # a tuple of DecodeRow is accepted too
             object.__setattr__(self, "decode", DecodeRows.from_rows(tuple(self.decode)))
-        elif self.decode.cols.size and (self.decode.cols.min() < -(2**31)
-                                        or self.decode.cols.max() >= 2**31):
-            raise ProtocolError("decode rows: a value does not fit in int32")
 
 
-# --------------------------------------------------------------------------- encode
+# --------------------------------------------------------------------------- row tables
+
+_SAMPLING = [("temperature", F64), ("top_p", F64), ("top_k", I64), ("min_p", F64),
+             ("seed", U64), ("logprobs", I64)]
+_SAMPLING_KINDS = "ffifii"
 
 
-def _samp(s: Sampling) -> list:
-    return [s.temperature, s.top_p, s.top_k, s.min_p, s.seed, list(s.banned), s.logprobs]
+def _samp(s: Sampling) -> tuple:
+    return s.temperature, s.top_p, s.top_k, s.min_p, s.seed, s.logprobs
+
+
+def _sampling(v: tuple, banned: Ints) -> Sampling:
+    return Sampling(v[0], v[1], v[2], v[3], v[4], banned, v[5])
+
+
+RELEASES = TableSpec("releases", np.dtype([("rank", I64), ("slot", I64)]),
+                     lambda r: (r.rank, r.slot), lambda v, _: Release(*v), "ii")
+NEW_SEQS = ids_spec(
+    "new_seqs", [("rank", I64), ("slot", I64), ("seq_len", I64), ("prompt_len", I64),
+                 ("prompt_logprobs", I64)] + _SAMPLING, "iiiii" + _SAMPLING_KINDS,
+    lambda n: (n.rank, n.slot, n.seq_len, n.prompt_len, n.prompt_logprobs, *_samp(n.sampling)),
+    lambda n: n.sampling.banned, lambda v, b: NewSeq(*v[:5], _sampling(v[5:], b)))
+SAMPLING_UPDATES = ids_spec(
+    "sampling_updates", [("rank", I64), ("slot", I64)] + _SAMPLING, "ii" + _SAMPLING_KINDS,
+    lambda u: (u.rank, u.slot, *_samp(u.sampling)), lambda u: u.sampling.banned,
+    lambda v, b: SamplingUpdate(v[0], v[1], _sampling(v[2:], b)))
+BLOCK_UPDATES = ids_spec(
+    "block_updates", [("rank", I64), ("slot", I64), ("first", I64)], "iii",
+    lambda b: (b.rank, b.slot, b.first), lambda b: b.blocks,
+    lambda v, ids: BlockUpdate(v[0], v[1], v[2], ids))
+PREFILL = ids_spec(
+    "prefill", [("rank", I64), ("slot", I64), ("start", I64), ("sample", "u1"),
+                ("output_index", I64), ("next_token", I64)], "iii?ii",
+    lambda p: (p.rank, p.slot, p.start, p.sample, p.output_index, p.next_token),
+    lambda p: p.tokens,
+    lambda v, ids: PrefillRow(v[0], v[1], v[2], ids, bool(v[3]), v[4], v[5]))
+
+# version, step_id, kind, releases, new_seqs (+ banned), sampling_updates (+ banned),
+# block_updates (+ block ids), decode rows, prefill (+ tokens)
+_LAYOUT = "iii" + "b" * 10
+
+
+# --------------------------------------------------------------------------- encode / decode
 
 
 def encode(cmd: StepCommand) -> bytes:
-    """The frame for ``cmd``; ``ProtocolError`` if it would exceed ``MAX_FRAME_BYTES``."""
-    body = [
-        PROTOCOL_VERSION, cmd.step_id, cmd.kind,
-        [[r.rank, r.slot] for r in cmd.releases],
-        [[n.rank, n.slot, n.seq_len, n.prompt_len, n.prompt_logprobs, _samp(n.sampling)]
-         for n in cmd.new_seqs],
-        [[u.rank, u.slot, _samp(u.sampling)] for u in cmd.sampling_updates],
-        [[b.rank, b.slot, b.first, list(b.blocks)] for b in cmd.block_updates],
-        cmd.decode.to_bytes(),
-        [[p.rank, p.slot, p.start, list(p.tokens), p.sample, p.output_index, p.next_token]
-         for p in cmd.prefill],
-    ]
+    """The frame for ``cmd``; ``ProtocolError`` if a field has the wrong type or does not fit
+    its record, or the frame would exceed ``MAX_FRAME_BYTES``."""
+    for name in ("step_id", "kind"):
+        if type(getattr(cmd, name)) is not int:
+            raise ProtocolError(f"{name}: expected int, got {type(getattr(cmd, name)).__name__}")
+    body: list = [PROTOCOL_VERSION, cmd.step_id, cmd.kind]
+    for spec, rows in ((RELEASES, cmd.releases), (NEW_SEQS, cmd.new_seqs),
+                       (SAMPLING_UPDATES, cmd.sampling_updates),
+                       (BLOCK_UPDATES, cmd.block_updates)):
+        body.extend(b for b in encode_table(spec, rows) if b is not None)
+    body.append(cmd.decode.to_bytes())
+    body.extend(encode_table(PREFILL, cmd.prefill))
     try:
         frame = msgpack.packb(body, use_bin_type=True)
     except (OverflowError, TypeError, ValueError) as exc:
@@ -215,101 +278,29 @@ def encode(cmd: StepCommand) -> bytes:
     return frame
 
 
-# --------------------------------------------------------------------------- decode
-
-
-def _int(v: Any, what: str) -> int:
-    if type(v) is not int:
-        raise ProtocolError(f"{what}: expected int, got {type(v).__name__}")
-    if not -(2**63) <= v < 2**64:
-        raise ProtocolError(f"{what}: int out of range")
-    return v
-
-
-def _float(v: Any, what: str) -> float:
-    if type(v) is float:
-        return v
-    if type(v) is int:
-        return float(v)
-    raise ProtocolError(f"{what}: expected float, got {type(v).__name__}")
-
-
-def _bool(v: Any, what: str) -> bool:
-    if type(v) is not bool:
-        raise ProtocolError(f"{what}: expected bool, got {type(v).__name__}")
-    return v
-
-
-def _list(v: Any, what: str, n: int | None = None) -> list:
-    if type(v) is not list:
-        raise ProtocolError(f"{what}: expected array, got {type(v).__name__}")
-    if n is not None and len(v) != n:
-        raise ProtocolError(f"{what}: expected {n} fields, got {len(v)}")
-    return v
-
-
-def _bin(v: Any, what: str) -> bytes:
-    if type(v) is not bytes:
-        raise ProtocolError(f"{what}: expected bin, got {type(v).__name__}")
-    return v
-
-
-def _ints(v: Any, what: str) -> tuple[int, ...]:
-    return tuple(_int(x, what) for x in _list(v, what))
-
-
-def _sampling(v: Any) -> Sampling:
-    f = _list(v, "sampling", 7)
-    return Sampling(_float(f[0], "temperature"), _float(f[1], "top_p"), _int(f[2], "top_k"),
-                    _float(f[3], "min_p"), _int(f[4], "seed"), _ints(f[5], "banned"),
-                    _int(f[6], "logprobs"))
-
-
-def _rows(v: Any, what: str, n: int) -> list[list]:
-    return [_list(r, what, n) for r in _list(v, what)]
-
-
-def _decode_body(f: list) -> StepCommand:
-    return StepCommand(
-        step_id=_int(f[1], "step_id"),
-        kind=_int(f[2], "kind"),
-        releases=tuple(Release(_int(r[0], "rank"), _int(r[1], "slot"))
-                       for r in _rows(f[3], "releases", 2)),
-        new_seqs=tuple(NewSeq(_int(r[0], "rank"), _int(r[1], "slot"), _int(r[2], "seq_len"),
-                              _int(r[3], "prompt_len"), _int(r[4], "prompt_logprobs"),
-                              _sampling(r[5])) for r in _rows(f[4], "new_seqs", 6)),
-        sampling_updates=tuple(SamplingUpdate(_int(r[0], "rank"), _int(r[1], "slot"),
-                                              _sampling(r[2]))
-                               for r in _rows(f[5], "sampling_updates", 3)),
-        block_updates=tuple(BlockUpdate(_int(r[0], "rank"), _int(r[1], "slot"),
-                                        _int(r[2], "first"), _ints(r[3], "blocks"))
-                            for r in _rows(f[6], "block_updates", 4)),
-        decode=DecodeRows.from_bytes(_bin(f[7], "decode")),
-        prefill=tuple(PrefillRow(_int(r[0], "rank"), _int(r[1], "slot"), _int(r[2], "start"),
-                                 _ints(r[3], "tokens"), _bool(r[4], "sample"),
-                                 _int(r[5], "output_index"), _int(r[6], "next_token"))
-                      for r in _rows(f[8], "prefill", 7)),
-    )
-
-
-def decode(frame: bytes) -> StepCommand:
-    """The ``StepCommand`` in ``frame``; ``ProtocolError`` for anything malformed."""
-    if not isinstance(frame, (bytes, bytearray, memoryview)):
-        raise ProtocolError(f"frame must be bytes, got {type(frame).__name__}")
-    if len(frame) > MAX_FRAME_BYTES:
-        raise ProtocolError(f"frame of {len(frame)} bytes exceeds {MAX_FRAME_BYTES}")
+def decode(frame: bytes, limits: WireLimits | None = None) -> StepCommand:
+    """The ``StepCommand`` in ``frame``; ``ProtocolError`` for anything malformed or, with
+    ``limits``, beyond them. Rows stay records until read (``wire.Table``)."""
+    f = read_fields(frame, _LAYOUT, PROTOCOL_VERSION, MAX_FRAME_BYTES, "frame")
+    rows = None if limits is None else limits.max_rows
+    blocks = None if limits is None else limits.max_blocks_per_seq
     try:
-        # unpackb bounds every declared str/bin/array/map length by len(frame) itself, so a
-        # short frame cannot make it allocate much (it has no max_buffer_size argument).
-        body = msgpack.unpackb(bytes(frame), raw=False, strict_map_key=True, use_list=True)
-    except Exception as exc:  # msgpack raises several types; all mean "malformed"
-        raise ProtocolError(f"not a msgpack frame: {type(exc).__name__}: {exc}") from None
-    f = _list(body, "frame", 9)
-    if _int(f[0], "version") != PROTOCOL_VERSION:
-        raise ProtocolError(f"protocol version {f[0]}, this rank speaks {PROTOCOL_VERSION}")
-    try:
-        return _decode_body(f)
+        cmd = StepCommand(
+            step_id=f[1], kind=f[2],
+            releases=decode_table(RELEASES, f[3], None, rows),
+            new_seqs=decode_table(NEW_SEQS, f[4], f[5], rows),
+            sampling_updates=decode_table(SAMPLING_UPDATES, f[6], f[7], rows),
+            block_updates=decode_table(BLOCK_UPDATES, f[8], f[9], rows, blocks),
+            decode=DecodeRows.from_bytes(f[10], rows),
+            prefill=decode_table(PREFILL, f[11], f[12], rows))
     except ProtocolError:
         raise
     except Exception as exc:  # defensive: no other exception type may escape
         raise ProtocolError(f"malformed frame: {type(exc).__name__}: {exc}") from None
+    if limits is not None:
+        if len(cmd.decode) + len(cmd.prefill) > rows:
+            raise ProtocolError(f"{len(cmd.decode) + len(cmd.prefill)} rows exceed {rows}")
+        tokens = len(cmd.prefill.flat)
+        if limits.max_step_tokens is not None and tokens > limits.max_step_tokens:
+            raise ProtocolError(f"{tokens} prefill tokens exceed {limits.max_step_tokens}")
+    return cmd
