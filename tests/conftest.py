@@ -34,8 +34,8 @@ def tiny_ckpt(request) -> Path:
 
 @pytest.fixture(scope="session")
 def ray_cluster():
-    """One local Ray cluster per test session: loopback only, no dashboard, auth off."""
-    os.environ.setdefault("RAY_AUTH_MODE", "disabled")
+    """One local Ray cluster per test session, the one users get (loopback only, a per-cluster
+    token, no dashboard); gloo on loopback."""
     os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
     os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
     os.environ.pop("RAY_ADDRESS", None)

@@ -1,14 +1,28 @@
 """Bring-up on Ray: join or start a cluster, and start the HeadActor (and its EP ranks).
 
-Invariants: ``ray.init`` joins ``RAY_ADDRESS`` when set, else starts a local cluster bound to
-127.0.0.1 with no dashboard; the head is a named actor (one per name), so every ingress
-replica reaches the same engine; arguments cross as plain dicts.
+This module owns the Ray cluster the process runs on. ``init_ray`` joins ``RAY_ADDRESS`` when it
+is set: that cluster is the operator's, secured (or not) by them, and joined as it is. Otherwise
+it starts a local cluster, and that cluster is closed to the network:
+
+- every Ray process it starts (GCS, raylet, agents, workers, Serve's replicas through a
+  worker setup hook) listens on loopback only; after start-up the listeners are checked, and
+  any on another address shuts the cluster down with an error rather than leaving the host
+  open;
+- drivers must present a token: a fresh random one per local cluster, kept in this process's
+  environment (inherited by the cluster's processes, written nowhere), unless the operator chose
+  ``RAY_AUTH_MODE`` / ``RAY_AUTH_TOKEN`` / ``RAY_AUTH_TOKEN_PATH`` themselves;
+- no dashboard.
+
+The head is a named actor (one per name), so every ingress replica reaches the same engine;
+arguments cross as plain dicts.
 """
 
 from __future__ import annotations
 
+import ipaddress
 import logging
 import os
+import secrets
 from typing import Any
 
 from epserve.cluster.engine_args import EngineArgs, check_model_path
@@ -18,21 +32,135 @@ log = logging.getLogger(__name__)
 HEAD_NAME = "epserve-head"
 NAMESPACE = "epserve"
 
+# Ray's switch between "local only" and "multi-node" networking (see _bind_to_loopback)
+_CLUSTER_ENV = "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"
+_AUTH_MODE, _AUTH_TOKEN, _AUTH_TOKEN_PATH = "RAY_AUTH_MODE", "RAY_AUTH_TOKEN", "RAY_AUTH_TOKEN_PATH"
+# the token this module minted for the current local cluster: told apart from an operator's
+_minted_token: str | None = None
+
 
 def init_ray(num_cpus: int | None = None) -> None:
-    """Join ``RAY_ADDRESS`` or start a loopback-only local cluster (idempotent)."""
+    """Join ``RAY_ADDRESS``, or start a local cluster closed to the network (idempotent).
+
+    Raises RuntimeError (with the cluster shut down) when a process of the local cluster
+    listens on a non-loopback address."""
     import ray
 
     if ray.is_initialized():
         return
-    os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
     if os.environ.get("RAY_ADDRESS"):
+        # the operator's cluster: its networking and auth are theirs (the joining driver must
+        # not pretend to be on 127.0.0.1 either, so nothing below applies)
         ray.init(address=os.environ["RAY_ADDRESS"], namespace=NAMESPACE,
                  log_to_driver=False)
         return
-    os.environ.setdefault("RAY_AUTH_MODE", "disabled")
+    _bind_to_loopback()
+    _require_token()
+    # listeners this process had before (an app embedding the LLM) are not the cluster's
+    before = cluster_listeners()
     ray.init(address="local", namespace=NAMESPACE, include_dashboard=False,
-             num_cpus=num_cpus, _node_ip_address="127.0.0.1", log_to_driver=False)
+             num_cpus=num_cpus, _node_ip_address="127.0.0.1", log_to_driver=False,
+             runtime_env={"worker_process_setup_hook": f"{__name__}.loopback_grpc_hook"})
+    open_ = [s for s in cluster_listeners() if s not in before and not _is_loopback(s[0])]
+    if open_:
+        ray.shutdown()
+        shown = ", ".join(f"[{ip}]:{port} ({name})" if ":" in ip else f"{ip}:{port} ({name})"
+                          for ip, port, name in sorted(open_))
+        raise RuntimeError(f"the local Ray cluster listened beyond loopback ({shown}), so it "
+                           f"was shut down: this Ray version binds differently from the one "
+                           f"epserve/cluster/bringup.py was written for")
+
+
+def _bind_to_loopback() -> None:
+    """Make the local cluster's gRPC servers listen on 127.0.0.1 only.
+
+    Ray binds them to loopback only when it believes multi-node clusters are off
+    (``ray_constants.ENABLE_RAY_CLUSTER`` False): then the node IP resolves to 127.0.0.1 instead
+    of the host's routable address, and the servers of a 127.0.0.1 node listen there. Ray reads
+    that constant from ``RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER`` once, at ``import ray``, which has
+    usually happened already (the CLI, tests, user code): so set the module constant for this
+    process, and the variable for the processes the cluster starts. Forced, not a default: an
+    operator who wants a multi-node cluster starts one and passes ``RAY_ADDRESS``."""
+    import ray._private.ray_constants as ray_constants
+
+    os.environ[_CLUSTER_ENV] = "0"
+    ray_constants.ENABLE_RAY_CLUSTER = False
+
+
+def loopback_grpc_hook() -> None:
+    """Worker setup hook of the local cluster (every worker process runs it at start).
+
+    Ray Serve's replicas start an inter-deployment gRPC server on ``[::]:0`` whatever the node
+    IP, with no option to bind it elsewhere (ray-project/ray#64544); Ray's other servers take
+    the node IP. The replica opens that port with ``tls_utils.add_port_to_grpc_server``, which
+    it imports when its class is loaded, after this hook: wrap it so that a wildcard address
+    becomes 127.0.0.1 (the local node's address, so every caller still reaches it)."""
+    from ray._common import tls_utils
+
+    add_port = tls_utils.add_port_to_grpc_server
+    if getattr(add_port, "epserve_loopback", False):
+        return
+
+    def on_loopback(server: Any, address: str) -> int:
+        host, _, port = address.rpartition(":")
+        if host in ("[::]", "0.0.0.0", ""):
+            address = f"127.0.0.1:{port}"
+        return add_port(server, address)
+
+    on_loopback.epserve_loopback = True  # type: ignore[attr-defined]
+    tls_utils.add_port_to_grpc_server = on_loopback
+
+
+def _require_token() -> None:
+    """Token authentication for the local cluster: a fresh random token in ``RAY_AUTH_TOKEN``
+    (so nothing lands in ~/.ray) unless the operator chose the mode or the token."""
+    global _minted_token
+    from ray._raylet import AuthenticationTokenLoader, Config
+
+    mode = os.environ.get(_AUTH_MODE, "").lower()
+    ours = _minted_token is not None and os.environ.get(_AUTH_TOKEN) == _minted_token
+    # a bare RAY_AUTH_MODE=token means Ray's own token file (~/.ray/auth_token): theirs too
+    theirs = not ours and bool(mode == "token" or os.environ.get(_AUTH_TOKEN)
+                               or os.environ.get(_AUTH_TOKEN_PATH))
+    if mode and mode != "token":
+        log.warning("%s=%s: the local Ray cluster accepts any driver that reaches 127.0.0.1 "
+                    "(any local user or process); unset it for token authentication",
+                    _AUTH_MODE, mode)
+    elif theirs:
+        os.environ[_AUTH_MODE] = "token"
+    else:
+        _minted_token = secrets.token_hex(32)
+        os.environ[_AUTH_TOKEN] = _minted_token
+        os.environ[_AUTH_MODE] = "token"
+    # Ray cached RAY_AUTH_MODE and the token at import: re-read both from the environment
+    # (config first, then the token cache, as Ray's own auth setup does)
+    Config.initialize("")
+    AuthenticationTokenLoader.instance().reset_cache()
+
+
+def cluster_listeners(pid: int | None = None) -> set[tuple[str, int, str]]:
+    """(address, port, process name) of every listening TCP socket of process ``pid`` (this
+    one by default) and its descendants: a local cluster's GCS, raylet, workers and agents
+    all descend from the driver that started it."""
+    import ray  # noqa: F401  (puts Ray's vendored psutil on the path)
+    import psutil
+
+    root = psutil.Process(pid)
+    names = {}
+    for proc in [root, *root.children(recursive=True)]:
+        try:
+            names[proc.pid] = proc.name()
+        except psutil.Error:  # gone meanwhile
+            pass
+    return {(c.laddr.ip, c.laddr.port, names[c.pid])
+            for c in psutil.net_connections(kind="inet")
+            if c.status == psutil.CONN_LISTEN and c.pid in names}
+
+
+def _is_loopback(ip: str) -> bool:
+    addr = ipaddress.ip_address(ip.split("%")[0])
+    mapped = getattr(addr, "ipv4_mapped", None)  # ::ffff:127.0.0.1 (a dual-stack socket)
+    return (mapped or addr).is_loopback
 
 
 def placement_device(device: str) -> str:
