@@ -9,10 +9,11 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any
 
 __version__ = "0.1.0"
-__all__ = ["LLM", "SamplingParams", "RequestOutput", "CompletionOutput"]
+__all__ = ["LLM", "SamplingParams", "RequestOutput", "CompletionOutput", "EngineDead"]
 
 if TYPE_CHECKING:  # pragma: no cover
     from epserve.cluster.llm import LLM
+    from epserve.head.async_engine import EngineDead
     from epserve.head.outputs import CompletionOutput, RequestOutput
     from epserve.head.sampling_params import SamplingParams
 
@@ -21,6 +22,7 @@ _LAZY = {
     "SamplingParams": "epserve.head.sampling_params",
     "RequestOutput": "epserve.head.outputs",
     "CompletionOutput": "epserve.head.outputs",
+    "EngineDead": "epserve.head.async_engine",
 }
 
 

@@ -65,6 +65,10 @@ class EpWorker:
     def ping(self) -> bool:
         return True
 
+    def pid(self) -> int:
+        """This rank's process id (fault tests freeze or kill it)."""
+        return os.getpid()
+
     def failures(self) -> list[dict[str, Any]]:
         """Every ``EpCommandFailed`` this rank logged: step id and reason."""
         return [{"step_id": f.step_id, "reason": f.reason} for f in self.ep_rank.failures]

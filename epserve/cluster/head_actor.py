@@ -3,16 +3,22 @@
 Client-facing calls only (generate as a stream, abort, health, stats, info); the per-step
 command traffic to other ranks never goes through Ray calls. Invariants: arguments are plain
 values (dicts, lists, strings); an invalid request raises ``ValueError`` before anything is
-queued; every stream ends, with an error output when the engine or a rank has died; a dead
-rank is noticed by a watchdog (actor death, or a step past its deadline), every in-flight
-request is answered with an error at once, and the group is re-formed in this same process.
+queued; no client call waits for the engine thread, so ``health`` and ``stats`` answer at once
+even while a step is stuck; every stream ends. A dead or silent rank is noticed by a watchdog
+(a ping unanswered for 2 s, actor death, a failed step, or a step past its deadline): health
+turns unhealthy at once, the group is re-formed in this same process, and every in-flight or
+newly arrived request waits and then goes on in the new group with the tokens it already had;
+only when re-forming fails do they end, with an error and their tokens so far.
 """
 
 from __future__ import annotations
 
 import asyncio
+import ctypes
 import dataclasses
+import gc
 import logging
+import os
 import threading
 import time
 from typing import Any, AsyncIterator, Sequence
@@ -36,63 +42,70 @@ class HeadActor:
         self.placement_group = placement_group
         self.step_deadline_s = step_deadline_s
         self.group = None
-        self._state_lock = threading.Lock()
         self._reforming = False
         self._unhealthy: str | None = None
-        self._start_engine()
+        self.reforms = 0
+        self.engine, self.runner, self.tokenizer = self._build()
+        self.aengine = AsyncEngine(self.engine, recoverable=self.args.ep_size > 1)
         if self.args.ep_size > 1:
             threading.Thread(target=self._watch, name="epserve-watchdog", daemon=True).start()
 
-    def _start_engine(self) -> None:
+    def _build(self) -> tuple[Any, Any, Any]:
+        """A new engine (and, with EP, a new group of ranks)."""
         runner = None
         if self.args.ep_size > 1:
             from epserve.cluster.ep_group import EpGroup
 
             self.group = EpGroup(self.args, self.placement_group)
             runner = self.group.leader
-        self.engine, self.runner, self.tokenizer = build_engine(self.args, runner=runner)
-        self.aengine = AsyncEngine(self.engine)
+        return build_engine(self.args, runner=runner)
 
     # ------------------------------------------------------------------ health
 
     def _watch(self) -> None:
-        """Fail fast on a dead rank, then re-form the group."""
+        """Notice a dead or stuck rank within seconds, then re-form the group. In-flight
+        requests wait for the new group and go on there (prefilled again from their tokens)."""
         while True:
             time.sleep(WATCH_PERIOD_S)
-            if self._reforming:
-                continue
+            if self.aengine.dead_reason is not None:
+                return
             reason = self._dead_reason()
             if reason is None:
                 continue
-            log.error("EP group unhealthy: %s; failing in-flight requests, re-forming", reason)
+            log.error("EP group unhealthy: %s; re-forming it", reason)
             self._unhealthy = reason
-            self.aengine.mark_dead(reason)
+            self.aengine.suspend(reason)
             self._reform()
 
     def _dead_reason(self) -> str | None:
         started = self.aengine.step_started_at
         if started is not None and time.monotonic() - started > self.step_deadline_s:
             return f"a step ran past its {self.step_deadline_s:.0f} s deadline"
-        if self.aengine.dead_reason is not None:
-            return self.aengine.dead_reason
+        if self.aengine.failure is not None:
+            return self.aengine.failure
         return self.group.alive(timeout_s=2.0) if self.group is not None else None
 
     def _reform(self) -> None:
-        with self._state_lock:
-            self._reforming = True
-            try:
-                old = self.group
-                self.aengine.shutdown()
-                if old is not None:
-                    old.shutdown(graceful=False)
-                self._start_engine()
-                self._unhealthy = None
-                log.info("EP group re-formed with %d ranks", self.args.ep_size)
-            except Exception as exc:
-                log.exception("re-forming the EP group failed")
-                self._unhealthy = f"re-forming the EP group failed: {exc}"
-            finally:
-                self._reforming = False
+        self._reforming = True
+        try:
+            old = self.group
+            self.group = None
+            if old is not None:  # kills the ranks: a step stuck on one of them now fails
+                old.shutdown(graceful=False)
+            old = None
+            engine, self.runner, self.tokenizer = self._build()
+            self.aengine.resume(engine)
+            self.engine = engine
+            self._unhealthy = None
+            self.reforms += 1
+            log.info("EP group re-formed with %d ranks", self.args.ep_size)
+        except Exception as exc:
+            log.exception("re-forming the EP group failed")
+            self._unhealthy = f"re-forming the EP group failed ({type(exc).__name__})"
+            self.aengine.mark_dead(self._unhealthy)
+        finally:
+            self._reforming = False
+            _release_memory()
 
     # ------------------------------------------------------------------ client calls
 
@@ -122,9 +135,9 @@ class HeadActor:
                 parsed.append((SamplingParams(**req["params"]), list(req["prompt_token_ids"])))
             except (TypeError, ValueError) as exc:
                 raise ValueError(f"prompts[{i}]: {exc}") from None
-        for i, (_, ids) in enumerate(parsed):
+        for i, (sp, ids) in enumerate(parsed):
             try:
-                self.engine._check_prompt(ids)
+                self.engine.check_request(ids, sp)
             except ValueError as exc:
                 raise ValueError(f"prompts[{i}]: {exc}") from None
 
@@ -142,7 +155,8 @@ class HeadActor:
         self.aengine.abort(request_id)
 
     async def health(self) -> dict[str, Any]:
-        reason = self._unhealthy or self.aengine.dead_reason
+        """Never waits for the engine thread: answers at once even while a step is stuck."""
+        reason = self._unhealthy or self.aengine.unhealthy_reason
         if self._reforming:
             reason = reason or "re-forming the EP group"
         return {"healthy": reason is None, "reason": reason}
@@ -150,9 +164,21 @@ class HeadActor:
     async def stats(self) -> dict[str, Any]:
         return dataclasses.asdict(self.aengine.snapshot())
 
-    def worker_failures(self) -> list[list[dict[str, Any]]]:
+    async def worker_failures(self) -> list[list[dict[str, Any]]]:
         """Each EP worker's logged ``EpCommandFailed`` records (rank 1 first)."""
-        return self.group.failures() if self.group is not None else []
+        group = self.group
+        if group is None:
+            return []
+        return list(await asyncio.gather(*(w.failures.remote() for w in group.workers)))
+
+    def pid(self) -> int:
+        """This process's id (fault tests freeze it)."""
+        return os.getpid()
+
+    def memory_rss(self) -> int:
+        """This process's resident memory in bytes (the re-form memory test reads it)."""
+        with open("/proc/self/statm") as f:
+            return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
 
     def worker_handles(self) -> list[Any]:
         return list(self.group.workers) if self.group is not None else []
@@ -172,3 +198,13 @@ class HeadActor:
         self.aengine.shutdown()
         if self.group is not None:
             self.group.shutdown(graceful=True)
+
+
+def _release_memory() -> None:
+    """Give the old engine's memory back after a re-form: its model and KV cache are garbage
+    now, but glibc keeps freed heap pages unless asked (RSS grew ~200 MB per re-form)."""
+    gc.collect()
+    try:
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+    except (OSError, AttributeError):  # not glibc: nothing to trim
+        pass

@@ -77,6 +77,9 @@ class LLM:
     engine then lives in a HeadActor and ``close()`` releases it. ``decode_lookahead``: queue
     each decode step's likely successor on the GPU before the host has read its tokens (None:
     on wherever decode CUDA graphs are; True also on CPU, where it only exercises the logic).
+    ``max_n``, ``max_stop_strings``, ``max_stop_chars``, ``max_stop_token_ids``,
+    ``max_logprobs``: per-request limits (``head.limits.RequestLimits``); a request over one is
+    refused with a ``ValueError`` naming the field.
     """
 
     def __init__(self, model: str | os.PathLike | None = None, *, tokenizer: str | None = None,
@@ -86,7 +89,9 @@ class LLM:
                  long_prefill_token_threshold: int = 0, enable_prefix_caching: bool = True,
                  load_format: str = "auto", ep_size: int = 1,
                  placement_strategy: str = "STRICT_PACK", gpu_memory_utilization: float = 0.9,
-                 enforce_eager: bool = False, decode_lookahead: bool | None = None):
+                 enforce_eager: bool = False, decode_lookahead: bool | None = None,
+                 max_n: int = 128, max_stop_strings: int = 256, max_stop_chars: int = 8192,
+                 max_stop_token_ids: int = 4096, max_logprobs: int = 20):
         args = EngineArgs(
             model=None if model is None else str(model), tokenizer=tokenizer, dtype=dtype,
             device=device, max_model_len=max_model_len, block_size=block_size,
@@ -96,7 +101,9 @@ class LLM:
             enable_prefix_caching=enable_prefix_caching, load_format=load_format, seed=seed,
             ep_size=ep_size, placement_strategy=placement_strategy,
             gpu_memory_utilization=gpu_memory_utilization, enforce_eager=enforce_eager,
-            decode_lookahead=decode_lookahead)
+            decode_lookahead=decode_lookahead, max_n=max_n, max_stop_strings=max_stop_strings,
+            max_stop_chars=max_stop_chars, max_stop_token_ids=max_stop_token_ids,
+            max_logprobs=max_logprobs)
         if (isinstance(long_prefill_token_threshold, bool)
                 or not isinstance(long_prefill_token_threshold, int)
                 or long_prefill_token_threshold < 0):
@@ -218,11 +225,11 @@ class LLM:
         # Validate every prompt before queueing any: a refused call must leave no trace
         # (queued requests, ids, the engine's draw of per-request seeds).
         encoded = []
-        for i, p in enumerate(prompts):
+        for i, (p, sp) in enumerate(zip(prompts, params)):
             text, ids = self._prompt_ids(p, i)
             if self._remote is None:
                 try:
-                    self.engine._check_prompt(ids)
+                    self.engine.check_request(ids, sp)
                 except ValueError as exc:
                     raise ValueError(f"prompts[{i}]: {exc}") from None
             encoded.append((text, ids))
@@ -280,7 +287,7 @@ class LLM:
         if self._remote is not None:
             return self._remote.stream(text, ids, sampling_params or SamplingParams())
         try:
-            self.engine._check_prompt(ids)
+            self.engine.check_request(ids, sampling_params or SamplingParams())
         except ValueError as exc:
             raise ValueError(f"prompts[0]: {exc}") from None
         return self._stream(text, ids, sampling_params or SamplingParams())

@@ -1,8 +1,9 @@
 """RemoteEngine: the offline API's view of an engine that runs in a HeadActor (EP over Ray).
 
 Invariants: what crosses to the head is plain data (token ids, sampling fields as a dict);
-a request the head refuses raises a plain ``ValueError`` here with the head's message (not a
-Ray traceback); ``close`` shuts the head and its EP ranks down, and is safe to call twice.
+a request the head refuses raises a plain ``ValueError`` here with the head's message, and an
+engine that cannot serve any more raises a plain ``EngineDead`` (never a Ray traceback);
+``close`` shuts the head and its EP ranks down, and is safe to call twice.
 """
 
 from __future__ import annotations
@@ -12,6 +13,7 @@ import uuid
 from typing import Any, Iterator, Sequence
 
 from epserve.cluster.engine_args import EngineArgs
+from epserve.head.async_engine import EngineDead
 from epserve.head.outputs import RequestOutput
 from epserve.head.sampling_params import SamplingParams
 
@@ -44,6 +46,10 @@ class RemoteEngine:
             return ray.get(ref)
         except ValueError as exc:
             raise ValueError(str(_plain(exc))) from None
+        except EngineDead as exc:  # Ray's RayTaskError(EngineDead): the head's own error
+            raise EngineDead(str(_plain(exc))) from None
+        except ray.exceptions.RayActorError:
+            raise EngineDead("the engine's head actor is gone") from None
 
     def generate(self, prompts: Sequence[tuple[str | None, list[int]]],
                  params: Sequence[SamplingParams]) -> list[RequestOutput]:

@@ -85,6 +85,8 @@ def _parser() -> argparse.ArgumentParser:
                    help="the model name clients send (default: --model, or epserve-demo)")
     s.add_argument("--max-body-bytes", type=int, default=1 << 20,
                    help="largest request body accepted; larger ones get 413")
+    s.add_argument("--body-read-timeout", type=float, default=None,
+                   help="seconds a request body may take to arrive (then 408); default 30")
     return ap
 
 

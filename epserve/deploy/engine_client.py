@@ -20,6 +20,9 @@ from epserve.head.outputs import RequestOutput
 log = logging.getLogger(__name__)
 
 PROBE_TIMEOUT_S = 10.0
+#: /health answers within a second whatever the head does: a head that does not answer the
+#: probe in this time is reported unhealthy (503), never waited for.
+HEALTH_TIMEOUT_S = 0.8
 
 
 def _unavailable(why: str) -> ApiError:
@@ -50,7 +53,7 @@ class EngineClient:
     async def health(self) -> tuple[bool, str | None]:
         """(healthy, reason); a dead or unresponsive head is unhealthy."""
         try:
-            h = await self._call("health")
+            h = await self._call("health", timeout=HEALTH_TIMEOUT_S)
         except ApiError as exc:
             return False, exc.message
         return bool(h.get("healthy")), h.get("reason")
@@ -91,8 +94,9 @@ class EngineClient:
             raise _unavailable(str(getattr(exc, "cause", exc))) from None
         except ValueError as exc:
             raise from_value_error(exc, default_param=param) from None
-        except RayTaskError as exc:
-            raise ApiError(500, f"the engine failed: {getattr(exc, 'cause', exc)}",
+        except RayTaskError as exc:  # a bug in the head: its text is for the log only
+            log.error("request %s: the head raised %s", request_id, exc)
+            raise ApiError(500, f"the engine failed ({type(getattr(exc, 'cause', exc)).__name__})",
                            code="engine_error") from None
         finally:
             if not finished:

@@ -17,13 +17,19 @@ import threading
 from typing import Any
 
 from epserve.cluster.engine_args import EngineArgs
-from epserve.deploy.config import API_KEY_ENV, DEFAULT_MAX_BODY_BYTES, AppConfig
+from epserve.deploy.config import (
+    API_KEY_ENV, DEFAULT_BODY_READ_TIMEOUT_S, DEFAULT_MAX_BODY_BYTES, AppConfig,
+)
 
 APP_NAME = "epserve"
 
 
 def config_from_args(args: argparse.Namespace) -> AppConfig:
     """The app config the ``serve`` subcommand's options describe."""
+    # per-request limits: the flags when given, else EngineArgs's defaults
+    limits = {k: getattr(args, k) for k in ("max_n", "max_stop_strings", "max_stop_chars",
+                                            "max_stop_token_ids", "max_logprobs")
+              if getattr(args, k, None) is not None}
     engine = EngineArgs(
         model=args.model, tokenizer=getattr(args, "tokenizer", None), dtype=args.dtype,
         device=args.device,
@@ -35,10 +41,14 @@ def config_from_args(args: argparse.Namespace) -> AppConfig:
         gpu_memory_utilization=args.gpu_memory_utilization,
         enforce_eager=getattr(args, "enforce_eager", False),
         decode_lookahead=False if getattr(args, "no_decode_lookahead", False) else None,
-        served_model_name=getattr(args, "served_model_name", None))
-    return AppConfig(engine=engine, api_key=args.api_key or os.environ.get(API_KEY_ENV) or None,
+        served_model_name=getattr(args, "served_model_name", None), **limits)
+    # an EPSERVE_API_KEY that is set but blank is refused here, not taken as "no auth"
+    key = args.api_key if args.api_key is not None else os.environ.get(API_KEY_ENV)
+    return AppConfig(engine=engine, api_key=key,
                      max_body_bytes=getattr(args, "max_body_bytes", None)
-                     or DEFAULT_MAX_BODY_BYTES)
+                     or DEFAULT_MAX_BODY_BYTES,
+                     body_read_timeout_s=getattr(args, "body_read_timeout", None)
+                     or DEFAULT_BODY_READ_TIMEOUT_S)
 
 
 def _check_port_free(host: str, port: int) -> None:

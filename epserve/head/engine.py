@@ -9,20 +9,23 @@ something that could still become a stop string.
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import logging
 import random
-import time
 from dataclasses import dataclass, field
 from typing import Any, Sequence as Seq
 
 from epserve.head.detokenizer import IncrementalDetokenizer
+from epserve.head.limits import RequestLimits
 from epserve.head.output_builder import build_output
 from epserve.head.outputs import RequestOutput
 from epserve.head.sampling_params import SamplingParams
 from epserve.head.scheduler import Scheduler, SchedulerConfig, StepPlan
 from epserve.head.sequence import Request, SeqStatus, Sequence
+from epserve.head.stop_automaton import StopAutomaton
 from epserve.head.stops import StopChecker
+from epserve.models.sampling_rules import token_ids_problem
 from epserve.models.traits import (
     EpCommandFailed, MixedBatchResult, Model, RankFailure, SampledToken,
 )
@@ -37,6 +40,7 @@ class EngineConfig:
     eos_token_ids: frozenset[int] = frozenset()
     seed: int = 0
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
+    limits: RequestLimits = RequestLimits()
 
 
 @dataclass
@@ -46,6 +50,16 @@ class EngineStats:
     prompt_tokens: int = 0
     generation_tokens: int = 0
     finished: dict[str, int] = field(default_factory=dict)
+
+
+def _public_reason(exc: BaseException) -> str:
+    """What a client may read of a failed step: the ranks' own verdict, or the error's type
+    and a reference into the server log (never file paths, addresses or tensor dumps)."""
+    if isinstance(exc, EpCommandFailed):
+        return f"the expert-parallel ranks refused this step: {exc.reason}"
+    ref = f"{random.getrandbits(32):08x}"
+    log.error("step failure reference %s: %s: %s", ref, type(exc).__name__, exc)
+    return f"the engine failed this step ({type(exc).__name__}; server log reference {ref})"
 
 
 def _mix_seed(seed: int, index: int) -> int:
@@ -58,7 +72,10 @@ class Engine:
     def __init__(self, model: Model, tokenizer: Any, cfg: EngineConfig):
         self.model = model
         self.tokenizer = tokenizer
-        self.cfg = cfg
+        # an EOS id outside the model's vocabulary can never be sampled: it is no stop, and
+        # banning it under min_tokens would make every rank refuse the row
+        self.cfg = dataclasses.replace(cfg, eos_token_ids=frozenset(
+            t for t in cfg.eos_token_ids if 0 <= t < cfg.vocab_size))
         self.scheduler = Scheduler(model, cfg.scheduler)
         self.requests: dict[str, Request] = {}
         self.stats = EngineStats()
@@ -74,10 +91,11 @@ class Engine:
         request_id = request_id if request_id is not None else f"req-{next(self._ids)}"
         if request_id in self.requests:
             raise ValueError(f"request_id {request_id!r} is already in use")
-        ids = self._check_prompt(prompt_ids)
+        ids = self.check_request(prompt_ids, params)
         room = self.cfg.max_model_len - len(ids)
         max_tokens = room if params.max_tokens is None else min(params.max_tokens, room)
         req = Request(request_id, prompt, ids, params, max_tokens, next(self._arrivals))
+        automaton = StopAutomaton(params.stop)  # once per request: its n completions share it
         for i in range(params.n):
             seed = (_mix_seed(params.seed, i) if params.seed is not None
                     else self._rng.getrandbits(63))
@@ -85,7 +103,8 @@ class Engine:
                 stop=params.stop, stop_token_ids=frozenset(params.stop_token_ids or ()),
                 eos_token_ids=self.cfg.eos_token_ids, ignore_eos=params.ignore_eos,
                 min_tokens=params.min_tokens, max_tokens=max_tokens,
-                include_stop_str_in_output=params.include_stop_str_in_output)
+                include_stop_str_in_output=params.include_stop_str_in_output,
+                automaton=automaton)
             detok = IncrementalDetokenizer(self.tokenizer, ids, params.skip_special_tokens)
             req.seqs.append(Sequence(req, i, seed, stops, detok))
         self.requests[request_id] = req
@@ -94,18 +113,24 @@ class Engine:
         self.stats.prompt_tokens += len(ids)
         return req
 
-    def _check_prompt(self, prompt_ids: Seq[int]) -> list[int]:
+    def check_request(self, prompt_ids: Seq[int], params: SamplingParams) -> list[int]:
+        """The prompt as a list when this engine can serve the request, else ``ValueError``
+        naming the field. Reads only the config, so any thread may call it (the async engine
+        checks a request on the caller's side before it queues it for the engine thread)."""
+        self.cfg.limits.check(params)
         ids = list(prompt_ids)
         if not ids:
             raise ValueError("prompt_token_ids: the prompt is empty")
-        bad = [t for t in ids if isinstance(t, bool) or not isinstance(t, int)
-               or not 0 <= t < self.cfg.vocab_size]
-        if bad:
-            raise ValueError(f"prompt_token_ids: {bad[0]!r} is not a token id in "
-                             f"[0, {self.cfg.vocab_size})")
+        bad = token_ids_problem(ids, self.cfg.vocab_size)
+        if bad is not None:
+            raise ValueError(f"prompt_token_ids: {bad}")
         if len(ids) >= self.cfg.max_model_len:
             raise ValueError(f"prompt: {len(ids)} tokens leave no room to generate within "
                              f"max_model_len={self.cfg.max_model_len}")
+        # stop ids are banned under min_tokens: the ranks accept only vocabulary ids there
+        bad = token_ids_problem(params.stop_token_ids or (), self.cfg.vocab_size)
+        if bad is not None:
+            raise ValueError(f"SamplingParams.stop_token_ids: {bad}")
         return ids
 
     def abort_request(self, request_id: str) -> None:
@@ -122,6 +147,40 @@ class Engine:
 
     def has_unfinished(self) -> bool:
         return self.scheduler.has_unfinished()
+
+    # ------------------------------------------------------------------ a broken model
+
+    def adopt(self, old: "Engine") -> None:
+        """Take over ``old``'s unfinished requests (its model died; this one replaces it).
+
+        Each unfinished sequence keeps its tokens, text and stop state and is prefilled again
+        on this model from prompt + output, as after a preemption: its seed and output index
+        are unchanged, so it goes on as it would have. Counters carry over. Nothing of
+        ``old``'s model is called (it is dead); call with ``old``'s loop stopped."""
+        for req in old.requests.values():
+            for seq in req.seqs:
+                if not seq.finished:
+                    seq.state = None
+                    self.scheduler.add(seq)
+            self.requests[req.request_id] = req
+        old.requests = {}
+        self.stats = old.stats
+        self._rng, self._arrivals, self._ids = old._rng, old._arrivals, old._ids
+
+    def fail_all(self, reason: str) -> list[RequestOutput]:
+        """Finish every unfinished request with ``reason`` as its error, keeping the tokens
+        and text it has; returns their final outputs. Touches no model (it may be dead or stuck
+        in a step on another thread)."""
+        outs = []
+        for req in list(self.requests.values()):
+            for seq in req.seqs:
+                if not seq.finished:
+                    seq.status = SeqStatus.FINISHED
+                    seq.finish_reason = "error"
+            req.error = req.error or reason
+            outs.append(build_output(req, self.tokenizer))
+        self.requests = {}
+        return outs
 
     # ------------------------------------------------------------------ the step
 
@@ -140,20 +199,28 @@ class Engine:
                                                         [s.state for s in plan.decode],
                                                         plan.slices)
             except RankFailure:
-                raise  # the group is broken: the caller fails everything and re-forms
+                raise  # the group is broken: the caller re-forms it and replays
             except (EpCommandFailed, ValueError, RuntimeError) as exc:
-                log.error("step failed, failing its %d sequences: %s",
-                          len(plan.decode) + len(plan.prefill), exc)
+                reason = _public_reason(exc)
+                log.error("step failed, failing its %d sequences (%s): %s",
+                          len(plan.decode) + len(plan.prefill), reason, exc)
                 for seq in plan.decode + plan.prefill:
-                    self._fail_seq(seq, str(exc), touched)
+                    self._fail_seq(seq, reason, touched)
             else:
                 self._apply(plan, result, touched)
         return self._emit(touched, finished_only)
 
     def _apply(self, plan: StepPlan, result: MixedBatchResult, touched: dict[str, Request]) -> None:
-        for seq, tok in zip(plan.decode, result.decode):
-            self._append(seq, tok, touched)
-        for seq, sl, tok in zip(plan.prefill, plan.slices, result.prefill):
+        failed, m = result.failed, len(plan.decode)
+        for i, (seq, tok) in enumerate(zip(plan.decode, result.decode)):
+            if i in failed:
+                self._fail_seq(seq, failed[i], touched)
+            else:
+                self._append(seq, tok, touched)
+        for j, (seq, sl, tok) in enumerate(zip(plan.prefill, plan.slices, result.prefill)):
+            if m + j in failed:
+                self._fail_seq(seq, failed[m + j], touched)
+                continue
             req = seq.request
             if req.wants_prompt_logprobs and sl.is_last_chunk and seq.state is not None:
                 req.prompt_logprobs = list(seq.state.prompt_logprobs)

@@ -12,10 +12,11 @@ import math
 from dataclasses import dataclass
 from typing import Any, Sequence
 
+from epserve.models.sampling_rules import MAX_LOGPROBS, value_problem
 from epserve.models.traits import RowSampling
 
-#: Most alternatives a request may ask for per token (OpenAI's and vLLM's default cap).
-MAX_LOGPROBS = 20
+#: The largest ``top_k`` that travels; a larger one keeps every token all the same.
+TOP_K_WIRE_MAX = 2**31 - 1
 
 #: Temperatures at or below this sample greedily: dividing logits by a smaller value only
 #: overflows float32 and gives the argmax anyway (vLLM uses the same threshold).
@@ -119,6 +120,12 @@ class SamplingParams:
         _check_real("min_p", self.min_p, 0.0, 1.0, lo_open=False)
         if self.seed is not None and not _is_int(self.seed):
             raise _bad("seed", self.seed, "must be an int or None")
+        # The rule every EP rank applies to the row this request becomes (models.sampling_rules):
+        # checked here too, so nothing a rank would refuse gets past the edge.
+        found = value_problem(self.temperature, self.top_p, max(self.top_k, 0), self.min_p, 0,
+                              self.logprobs if _is_int(self.logprobs) else None)
+        if found is not None:
+            raise ValueError(f"SamplingParams.{found[0]} {found[1]}")
         _check_int("max_tokens", self.max_tokens, 1, optional=True)
         _check_int("min_tokens", self.min_tokens, 0)
         if self.max_tokens is not None and self.min_tokens > self.max_tokens:
@@ -142,7 +149,9 @@ class SamplingParams:
         return RowSampling(
             temperature=0.0 if self.is_greedy else float(self.temperature),
             top_p=float(self.top_p),
-            top_k=max(self.top_k, 0),
+            # any k at or above the vocabulary keeps every token: k past int32 means the same
+            # and fits the step command's fields
+            top_k=min(max(self.top_k, 0), TOP_K_WIRE_MAX),
             min_p=float(self.min_p),
             seed=seed,
             banned_token_ids=tuple(banned),

@@ -188,12 +188,16 @@ class MixedForwardResult:
 @dataclass(frozen=True, slots=True)
 class MixedBatchResult:
     """M decode rows plus N prefill chunks: one ``SampledToken`` per decode row, and one entry
-    per prefill stream in input order (``None`` unless that chunk was its last)."""
+    per prefill stream in input order (``None`` unless that chunk was its last).
+
+    ``failed``: rows that did not run, by index (decode rows ``0..M-1``, prefill streams
+    ``M..M+N-1``) -> why; their entries above are placeholders. The other rows ran."""
 
     decode: tuple[SampledToken, ...]
     prefill: tuple[SampledToken | None, ...]
     decode_logits: Any = None
     prefill_logits: Any = None
+    failed: dict[int, str] = field(default_factory=dict)
 
 
 @dataclass(frozen=True, slots=True)
@@ -238,16 +242,18 @@ class ForwardDisclosure:
 class EpCommandFailed(RuntimeError):
     """An EP step command that was received and then failed to execute (validation or run).
 
-    Every rank reaches the same verdict on the same bytes: a worker logs it and keeps going,
-    the leader raises it and the head fails only the requests in that command.
-    ``seq_slots``: the sequences the command named (the ones to fail).
+    Every rank reaches the same verdict on the same bytes: a worker logs it and keeps going.
+    ``bad_rows``: the ``(rank, slot)`` of the sequence whose rows or updates made the command
+    invalid, when one did; the leader then fails just that sequence and re-issues the step
+    without it. Empty: no one sequence is to blame, and the whole step fails.
     """
 
-    def __init__(self, step_id: int, reason: str, seq_slots: Sequence[int] = ()):
+    def __init__(self, step_id: int, reason: str,
+                 bad_rows: Sequence[tuple[int, int]] = ()):
         super().__init__(f"EpCommandFailed(step {step_id}): {reason}")
         self.step_id = step_id
         self.reason = reason
-        self.seq_slots = tuple(seq_slots)
+        self.bad_rows = tuple(bad_rows)
 
 
 class RankFailure(RuntimeError):

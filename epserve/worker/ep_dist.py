@@ -7,6 +7,8 @@ with ``EpComm`` this is the only code that calls torch.distributed.
 
 from __future__ import annotations
 
+import ipaddress
+import os
 import socket
 from datetime import timedelta
 
@@ -22,12 +24,36 @@ def free_port(addr: str = "127.0.0.1") -> int:
 
 def join_ep_group(rank: int, world_size: int, addr: str, port: int, device_type: str,
                   timeout_s: float = 120.0):
-    """Join the group; returns ``(data_group, cpu_group)`` (``None`` = the default group)."""
+    """Join the group; returns ``(data_group, cpu_group)`` (``None`` = the default group).
+
+    Rank 0 serves the rendezvous store on ``addr`` only: torch's own TCPStore server listens on
+    every interface whatever its host, so it is handed a socket bound here. On a loopback
+    ``addr`` gloo's pairs stay on loopback too (it otherwise binds where the hostname
+    resolves)."""
+    if ipaddress.ip_address(addr).is_loopback:
+        os.environ.setdefault("GLOO_SOCKET_IFNAME", _loopback_interface())
+    timeout = timedelta(seconds=timeout_s)
+    if rank == 0:
+        listener = socket.socket(socket.AF_INET6 if ":" in addr else socket.AF_INET)
+        listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        listener.bind((addr, port))
+        listener.listen()
+        store = dist.TCPStore(addr, port, world_size, True, timeout,
+                              wait_for_workers=False,
+                              master_listen_fd=listener.detach())
+    else:
+        store = dist.TCPStore(addr, port, world_size, False, timeout)
     backend = "nccl" if device_type == "cuda" else "gloo"
-    dist.init_process_group(backend, init_method=f"tcp://{addr}:{port}", rank=rank,
-                            world_size=world_size, timeout=timedelta(seconds=timeout_s))
+    dist.init_process_group(backend, store=store, rank=rank, world_size=world_size,
+                            timeout=timeout)
     cpu_group = dist.new_group(backend="gloo") if backend == "nccl" else None
     return None, cpu_group
+
+
+def _loopback_interface() -> str:
+    """The loopback interface's name: ``lo`` on Linux, ``lo0`` on BSD and macOS."""
+    names = {name for _, name in socket.if_nameindex()}
+    return next((n for n in ("lo", "lo0") if n in names), "lo")
 
 
 def leave_ep_group() -> None:

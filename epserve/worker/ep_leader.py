@@ -4,8 +4,10 @@ Owns every rank's KV pool and slot list (the scheduler's allocations happen here
 each forward call into one ``StepCommand``: broadcast, run rank 0's rows, gather every rank's
 sampled tokens. Invariants: what travels is the difference between the scheduler's sequences
 and the mirror every rank holds (new sequences once, then new blocks, sampling changes,
-releases); an invalid command raises ``EpCommandFailed`` here exactly as on every worker; a
-failed broadcast, gather or collective raises ``RankFailure`` (the group must be re-formed).
+releases); a command every rank refuses because of one sequence costs only that sequence (the
+step is re-issued without it) and any other refusal raises ``EpCommandFailed`` here exactly as
+on every worker; a failed broadcast, gather or collective raises ``RankFailure`` (the group
+must be re-formed).
 """
 
 from __future__ import annotations
@@ -205,6 +207,37 @@ class EpLeaderRunner:
     def mixed_forward_batch(self, decode_tokens: Sequence[int],
                             decode_seqs: Sequence[SequenceState],
                             prefill_slices: Sequence[PrefillSlice]) -> MixedBatchResult:
+        """One step on every rank. When the ranks refuse the command because of one sequence's
+        rows (``EpCommandFailed.bad_rows``), only that sequence fails: it is left out and the
+        step is issued again with the others, so one request never fails the rest of its step.
+        A refusal that names no sequence of this step fails the whole step."""
+        failed: dict[tuple[int, int], str] = {}
+        keys = {_key(s) for s in decode_seqs} | {_key(sl.seq) for sl in prefill_slices}
+        strangers = 0  # refusals naming a row that is none of this step's sequences
+        while True:
+            d = [i for i, s in enumerate(decode_seqs) if _key(s) not in failed]
+            p = [j for j, sl in enumerate(prefill_slices) if _key(sl.seq) not in failed]
+            if not d and not p:
+                frames = None
+                break
+            try:
+                frames = self._issue([decode_tokens[i] for i in d], [decode_seqs[i] for i in d],
+                                     [prefill_slices[j] for j in p])
+                break
+            except EpCommandFailed as exc:
+                bad = set(exc.bad_rows) & keys
+                if not exc.bad_rows or (not bad and strangers):
+                    raise
+                strangers += not bad
+                log.warning("step %d refused for %s: %s; re-issuing without them", exc.step_id,
+                            sorted(bad) or "a row of no sequence", exc.reason)
+                failed.update((k, f"the expert-parallel ranks refused this request's step: "
+                                  f"{exc.reason}") for k in bad)
+        return self._assemble(decode_tokens, decode_seqs, prefill_slices, frames, failed)
+
+    def _issue(self, decode_tokens: Sequence[int], decode_seqs: Sequence[SequenceState],
+               prefill_slices: Sequence[PrefillSlice]) -> list[bytes]:
+        """Build, broadcast and run one command; every rank's result frame."""
         cmd = self.build_command(decode_tokens, decode_seqs, prefill_slices)
         if self._fault is not None:
             cmd, self._fault = self._fault(cmd, self.rank0.mirror), None
@@ -226,7 +259,7 @@ class EpLeaderRunner:
         except Exception as exc:
             raise RankFailure(f"gathering step {cmd.step_id} failed: {exc}") from exc
         self._commit(cmd)
-        return self._assemble(decode_tokens, decode_seqs, prefill_slices, frames)
+        return frames
 
     def _commit(self, cmd: StepCommand) -> None:
         """Every rank applied ``cmd``: what it shipped is now known everywhere."""
@@ -262,10 +295,18 @@ class EpLeaderRunner:
             prefill=tuple(prefill))
 
     def _assemble(self, decode_tokens: Sequence[int], decode_seqs: Sequence[SequenceState],
-                  prefill_slices: Sequence[PrefillSlice], frames: list[bytes]) -> MixedBatchResult:
-        results = [decode_result(f) for f in frames]
+                  prefill_slices: Sequence[PrefillSlice], frames: list[bytes] | None,
+                  failed: dict[tuple[int, int], str]) -> MixedBatchResult:
+        """The step's result in the caller's row order; rows of ``failed`` sequences did not
+        run (placeholders, listed in ``MixedBatchResult.failed``)."""
+        results = [decode_result(f, self.rank0.limits) for f in frames] if frames else []
         out_decode: list[SampledToken] = []
-        for tok, seq in zip(decode_tokens, decode_seqs):
+        errors: dict[int, str] = {}
+        for i, (tok, seq) in enumerate(zip(decode_tokens, decode_seqs)):
+            if _key(seq) in failed:
+                errors[i] = failed[_key(seq)]
+                out_decode.append(SampledToken(-1))
+                continue
             got = results[seq.rank].sampled[seq.slot_idx]
             seq.tokens.append(tok)
             seq.seq_len += 1
@@ -273,8 +314,12 @@ class EpLeaderRunner:
             self.last_token[(seq.rank, seq.slot_idx)] = got.token_id
             out_decode.append(got)
         out_prefill: list[SampledToken | None] = []
-        for sl in prefill_slices:
+        for j, sl in enumerate(prefill_slices):
             seq, end = sl.seq, sl.chunk_start + sl.chunk_len
+            if _key(seq) in failed:
+                errors[len(decode_seqs) + j] = failed[_key(seq)]
+                out_prefill.append(None)
+                continue
             seq.tokens.extend(sl.prompt_tokens[sl.chunk_start:end])
             seq.seq_len = seq.kv_valid_tokens = end
             res = results[seq.rank]
@@ -283,7 +328,8 @@ class EpLeaderRunner:
             if got is not None:
                 self.last_token[(seq.rank, seq.slot_idx)] = got.token_id
             out_prefill.append(got)
-        return MixedBatchResult(decode=tuple(out_decode), prefill=tuple(out_prefill))
+        return MixedBatchResult(decode=tuple(out_decode), prefill=tuple(out_prefill),
+                                failed=errors)
 
     def shutdown_workers(self) -> None:
         """Tell every worker to leave its loop (best effort)."""
@@ -294,6 +340,10 @@ class EpLeaderRunner:
             self.rank0.step(frame)
         except Exception as exc:
             log.warning("shutdown broadcast failed: %s", exc)
+
+
+def _key(seq: SequenceState) -> tuple[int, int]:
+    return seq.rank, seq.slot_idx
 
 
 class _Shipment:

@@ -20,7 +20,7 @@ from epserve.worker.batch import StepInputs, StepRow, build_step_inputs
 from epserve.worker.ep_results import RankResult, encode_result
 from epserve.worker.ep_state import EpMirror
 from epserve.worker.protocol import (
-    FEED_DEVICE, KIND_SHUTDOWN, ProtocolError, Sampling, StepCommand, decode,
+    FEED_DEVICE, KIND_SHUTDOWN, ProtocolError, Sampling, StepCommand, WireLimits, decode,
 )
 from epserve.worker.runner import Runner
 
@@ -49,6 +49,10 @@ class EpRank:
         self.mirror = EpMirror(world_size, runner.num_blocks, runner.block_size,
                                runner.cfg.max_num_seqs, runner.tables.max_blocks_per_seq,
                                runner.model_config.vocab_size)
+        # what a correct leader never exceeds: a frame beyond it is refused before any row
+        # is built (bounds the work a hostile or corrupt frame can cause)
+        self.limits = WireLimits(world_size, runner.cfg.max_num_seqs,
+                                 runner.tables.max_blocks_per_seq)
         self.local: dict[int, SequenceState] = {}
         self.last_token: dict[int, int] = {}
         self.failures: list[EpCommandFailed] = []
@@ -59,7 +63,7 @@ class EpRank:
     def step(self, frame: bytes) -> bytes | None:
         """Run one command; the encoded ``RankResult``, or None for shutdown. Raises
         ``ProtocolError`` (broken channel) or ``EpCommandFailed`` (same on every rank)."""
-        cmd = decode(frame)
+        cmd = decode(frame, self.limits)
         self.mirror.validate(cmd)
         if cmd.kind == KIND_SHUTDOWN:
             return None
@@ -72,8 +76,10 @@ class EpRank:
         except Exception as exc:  # e.g. an allocation on this rank only: agree first
             err, inp, plp_before = exc, None, {}
         if not self.comm.all_agree(err is None):
-            reason = f"preparation failed on rank {self.rank}: {err}" if err else \
-                "preparation failed on another rank"
+            if err is not None:
+                log.error("rank %d: preparing step %d failed: %s", self.rank, cmd.step_id, err)
+            reason = (f"preparation failed on rank {self.rank} ({type(err).__name__})" if err
+                      else "preparation failed on another rank")
             raise EpCommandFailed(cmd.step_id, reason)
         return encode_result(self._execute(cmd, inp, plp_before))
 

@@ -16,13 +16,14 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Iterator, Sequence
 
-import msgpack
 import numpy as np
 
 from epserve.models.sampling_rules import MAX_LOGPROBS
 from epserve.models.traits import PromptTokenLogprob, SampledToken
 from epserve.worker.protocol import MAX_FRAME_BYTES, PROTOCOL_VERSION, ProtocolError, WireLimits
-from epserve.worker.wire import F64, I64, Table, TableSpec, decode_table, encode_table, read_fields
+from epserve.worker.wire import (
+    F64, I64, Table, TableSpec, decode_table, encode_table, pack_frame, read_fields,
+)
 
 
 @dataclass(frozen=True, slots=True)
@@ -125,13 +126,7 @@ def encode_result(res: RankResult) -> bytes:
         raise ProtocolError("result: step_id and rank must be ints")
     body = [PROTOCOL_VERSION, res.step_id, res.rank, *encode_table(SAMPLED, sampled),
             *encode_table(PROMPT, prompt)]
-    try:
-        frame = msgpack.packb(body, use_bin_type=True)
-    except (OverflowError, TypeError, ValueError) as exc:
-        raise ProtocolError(f"cannot encode result: {exc}") from None
-    if len(frame) > MAX_FRAME_BYTES:
-        raise ProtocolError(f"result frame of {len(frame)} bytes exceeds {MAX_FRAME_BYTES}")
-    return frame
+    return pack_frame(body, MAX_FRAME_BYTES, "result frame")
 
 
 def decode_result(frame: bytes, limits: WireLimits | None = None) -> RankResult:

@@ -3,23 +3,24 @@
 Owns the semantic validation of a decoded ``StepCommand`` and its bookkeeping. Invariants:
 every rank holds an identical mirror (same commands, applied in the same order), so every
 rank reaches the same verdict on the same bytes; ``validate`` changes nothing and raises
-``EpCommandFailed`` naming the first problem; ``apply`` runs only after a passing
-``validate``; step ids rise by one per command received, valid or not.
+``EpCommandFailed`` naming the first problem and, when one sequence's rows or updates caused
+it, that sequence's ``(rank, slot)`` (so the leader can drop just it and re-issue the step);
+sampling values are judged by ``models.sampling_rules``, the rule the head applies at the edge;
+``apply`` runs only after a passing ``validate``; step ids rise by one per command received,
+valid or not.
 """
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 
 import numpy as np
 
+from epserve.models.sampling_rules import MAX_LOGPROBS, row_sampling_problem
 from epserve.models.traits import EpCommandFailed
 from epserve.worker.protocol import (
     FEED_DEVICE, KIND_SHUTDOWN, KIND_STEP, NewSeq, Sampling, StepCommand,
 )
-
-MAX_LOGPROBS = 20
 
 
 @dataclass(slots=True)
@@ -73,8 +74,8 @@ class EpMirror:
             self._check_new(n, live, fail)
             live[n.rank, n.slot] = True
         for u in cmd.sampling_updates:
-            self._live(u.rank, u.slot, live, fail, "sampling update")
-            self._check_sampling(u.sampling, fail)
+            key = self._live(u.rank, u.slot, live, fail, "sampling update")
+            self._check_sampling(u.sampling, fail, key)
         blocks = self._check_blocks(cmd, live, fail)
         self._check_rows(cmd, live, blocks, fail)
 
@@ -89,7 +90,7 @@ class EpMirror:
               what: str) -> tuple[int, int]:
         key = self._key(rank, slot, fail, what)
         if not live[key]:
-            fail(f"{what}: unknown sequence {key}")
+            fail(f"{what}: unknown sequence {key}", key)
         return key
 
     def _check_new(self, n: NewSeq, live: np.ndarray, fail: "_Failer") -> None:
@@ -97,26 +98,17 @@ class EpMirror:
         if live[key]:
             fail(f"new sequence {key} is already live")
         if n.seq_len < 0 or n.prompt_len < 1:
-            fail(f"new sequence {key}: seq_len {n.seq_len}, prompt_len {n.prompt_len}")
+            fail(f"new sequence {key}: seq_len {n.seq_len}, prompt_len {n.prompt_len}", key)
         if not -1 <= n.prompt_logprobs <= MAX_LOGPROBS:
-            fail(f"new sequence {key}: prompt_logprobs {n.prompt_logprobs}")
-        self._check_sampling(n.sampling, fail)
+            fail(f"new sequence {key}: prompt_logprobs {n.prompt_logprobs}", key)
+        self._check_sampling(n.sampling, fail, key)
 
-    def _check_sampling(self, s: Sampling, fail: "_Failer") -> None:
-        if not (math.isfinite(s.temperature) and s.temperature >= 0):
-            fail(f"sampling: temperature {s.temperature}")
-        if not (0 < s.top_p <= 1):
-            fail(f"sampling: top_p {s.top_p}")
-        if not 0 <= s.top_k <= self.vocab_size:
-            fail(f"sampling: top_k {s.top_k}")
-        if not 0 <= s.min_p <= 1:
-            fail(f"sampling: min_p {s.min_p}")
-        if not 0 <= s.seed < 2**64:
-            fail(f"sampling: seed {s.seed}")
-        if not -1 <= s.logprobs <= MAX_LOGPROBS:
-            fail(f"sampling: logprobs {s.logprobs}")
-        if any(not 0 <= t < self.vocab_size for t in s.banned):
-            fail("sampling: banned token outside the vocab")
+    def _check_sampling(self, s: Sampling, fail: "_Failer", key: tuple[int, int]) -> None:
+        found = row_sampling_problem(s.temperature, s.top_p, s.top_k, s.min_p, s.seed,
+                                     None if s.logprobs == -1 else s.logprobs, s.banned,
+                                     self.vocab_size)
+        if found is not None:
+            fail(f"sampling of {key}: {found[0]} {found[1]}", key)
 
     def _check_blocks(self, cmd: StepCommand, live: np.ndarray, fail: "_Failer") -> np.ndarray:
         counts = self.nblocks.copy()
@@ -125,12 +117,14 @@ class EpMirror:
         for b in cmd.block_updates:
             key = self._live(b.rank, b.slot, live, fail, "block update")
             if b.first != counts[key]:
-                fail(f"block update for {key} starts at {b.first}, the table has {counts[key]}")
+                fail(f"block update for {key} starts at {b.first}, the table has {counts[key]}",
+                     key)
             if b.first + len(b.blocks) > self.max_blocks_per_seq:
                 fail(f"block update for {key}: {b.first + len(b.blocks)} blocks exceed "
-                     f"{self.max_blocks_per_seq}")
+                     f"{self.max_blocks_per_seq}", key)
             if any(not 0 <= x < self.num_blocks for x in b.blocks):
-                fail(f"block update for {key}: block id out of range [0, {self.num_blocks})")
+                fail(f"block update for {key}: block id out of range [0, {self.num_blocks})",
+                     key)
             counts[key] = b.first + len(b.blocks)
         return counts
 
@@ -146,15 +140,16 @@ class EpMirror:
             key = self._live(p.rank, p.slot, live, fail, "prefill row")
             flat = p.rank * self.max_slots + p.slot
             if flat in seen:
-                fail(f"prefill row: sequence {key} appears twice")
+                fail(f"prefill row: sequence {key} appears twice", key)
             seen.add(flat)
-            if p.start != lens[key] or not p.tokens or p.output_index < 0:
+            if p.start != lens[key] or not len(p.tokens) or p.output_index < 0:
                 fail(f"prefill row {key}: chunk at {p.start} of {len(p.tokens)} tokens, the "
-                     f"sequence has KV for {lens[key]}")
+                     f"sequence has KV for {lens[key]}", key)
             if p.start + len(p.tokens) > blocks[key] * bs:
-                fail(f"prefill row {key}: no KV block for position {p.start + len(p.tokens) - 1}")
+                fail(f"prefill row {key}: no KV block for position "
+                     f"{p.start + len(p.tokens) - 1}", key)
             if any(not 0 <= t < vocab for t in p.tokens) or not -1 <= p.next_token < vocab:
-                fail(f"prefill row {key}: token outside the vocab")
+                fail(f"prefill row {key}: token outside the vocab", key)
 
     def _check_decode(self, cmd: StepCommand, live: np.ndarray, blocks: np.ndarray, lens: np.ndarray,
                       fail: "_Failer") -> np.ndarray:
@@ -170,18 +165,22 @@ class EpMirror:
         dead = ~live.ravel()[keys]
         if dead.any():
             i = int(dead.argmax())
-            fail(f"decode row {i}: unknown sequence ({rank[i]}, {slot[i]})")
+            fail(f"decode row {i}: unknown sequence ({rank[i]}, {slot[i]})",
+                 _row_key(rank, slot, i))
         seen = np.zeros(live.size, dtype=bool)
         seen[keys] = True
         if int(seen.sum()) != keys.size:
             fail("decode row: a sequence appears twice")
-        if (((feed != FEED_DEVICE) & ((feed < 0) | (feed >= self.vocab_size)))).any():
-            fail("decode row: token outside the vocab")
+        bad_feed = (feed != FEED_DEVICE) & ((feed < 0) | (feed >= self.vocab_size))
+        if bad_feed.any():
+            i = int(bad_feed.argmax())
+            fail(f"decode row {i}: token outside the vocab", _row_key(rank, slot, i))
         ln = lens.ravel()[keys]
         nok = (ln >= blocks.ravel()[keys] * self.block_size) | (oidx < 0)
         if nok.any():
             i = int(nok.argmax())
-            fail(f"decode row {i}: no KV block for position {ln[i]} of ({rank[i]}, {slot[i]})")
+            fail(f"decode row {i}: no KV block for position {ln[i]} of ({rank[i]}, {slot[i]})",
+                 _row_key(rank, slot, i))
         return keys
 
     # ------------------------------------------------------------------ apply
@@ -208,11 +207,16 @@ class EpMirror:
             self.seq_len[p.rank, p.slot] = p.start + len(p.tokens)
 
 
+def _row_key(rank: np.ndarray, slot: np.ndarray, i: int) -> tuple[int, int]:
+    return int(rank[i]), int(slot[i])
+
+
 class _Failer:
-    """Raises the command's ``EpCommandFailed`` with a reason."""
+    """Raises the command's ``EpCommandFailed`` with a reason, and the ``(rank, slot)`` of the
+    sequence whose row or update made the command invalid when there is one."""
 
     def __init__(self, step_id: int):
         self.step_id = step_id
 
-    def __call__(self, reason: str) -> None:
-        raise EpCommandFailed(self.step_id, reason)
+    def __call__(self, reason: str, key: tuple[int, int] | None = None) -> None:
+        raise EpCommandFailed(self.step_id, reason, bad_rows=() if key is None else (key,))

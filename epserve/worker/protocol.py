@@ -21,13 +21,12 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Sequence
 
-import msgpack
 import numpy as np
 
 # ProtocolError and Ints belong to the wire; ranks and the leader import them from here.
 from epserve.worker.wire import (
     F64, I64, U64, Ints, ProtocolError, TableSpec, decode_table, encode_table, ids_spec,
-    read_fields,
+    pack_frame, read_fields,
 )
 
 PROTOCOL_VERSION = 2  # 2: row tables of fixed-width records instead of nested msgpack arrays
@@ -269,13 +268,7 @@ def encode(cmd: StepCommand) -> bytes:
         body.extend(b for b in encode_table(spec, rows) if b is not None)
     body.append(cmd.decode.to_bytes())
     body.extend(encode_table(PREFILL, cmd.prefill))
-    try:
-        frame = msgpack.packb(body, use_bin_type=True)
-    except (OverflowError, TypeError, ValueError) as exc:
-        raise ProtocolError(f"cannot encode: {exc}") from None
-    if len(frame) > MAX_FRAME_BYTES:
-        raise ProtocolError(f"frame of {len(frame)} bytes exceeds {MAX_FRAME_BYTES}")
-    return frame
+    return pack_frame(body, MAX_FRAME_BYTES, "frame")
 
 
 def decode(frame: bytes, limits: WireLimits | None = None) -> StepCommand:

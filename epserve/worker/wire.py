@@ -65,6 +65,18 @@ def read_fields(frame: Any, layout: str, version: int, max_bytes: int, what: str
     return fields
 
 
+def pack_frame(body: list, max_bytes: int, what: str) -> bytes:
+    """``body`` as one msgpack frame; ``ProtocolError`` if it cannot be or exceeds
+    ``max_bytes`` (refused at the sender as at every receiver)."""
+    try:
+        frame = msgpack.packb(body, use_bin_type=True)
+    except (OverflowError, TypeError, ValueError) as exc:
+        raise ProtocolError(f"cannot encode {what}: {exc}") from None
+    if len(frame) > max_bytes:
+        raise ProtocolError(f"{what} of {len(frame)} bytes exceeds {max_bytes}")
+    return frame
+
+
 def int32s(values: Sequence[int], what: str) -> np.ndarray:
     """``values`` as a little-endian int32 array; ``ProtocolError`` unless they are ints that
     fit (a float, str or anything numpy would coerce silently is refused)."""

@@ -78,7 +78,9 @@ def test_matches_on_encoded_text(tok, text):
     ids = tok.encode(text).ids
     d, deltas = run(tok, tok.encode("x").ids, ids)
     assert d.text == tok.decode(ids) == text
-    assert deltas[-1] == ""
+    # Nothing is left for the final flush, unless the text itself ends in U+FFFD: that is
+    # what an incomplete character decodes to, so it is held back until the end.
+    assert deltas[-1] == "" or text.endswith("\ufffd")
 
 
 class CountingTokenizer:

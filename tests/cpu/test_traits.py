@@ -86,8 +86,9 @@ def test_types_exist_with_seed_names():
                  "ModelLogits", "ModelVerify", "ModelDraft", "ModelAdapters", "ModelSsmState",
                  "ModelEp", "ModelStreams", "ModelDeviceFeed", "ModelCircuit", "ModelVision"):
         assert hasattr(T, name), name
-    err = T.EpCommandFailed(7, "unknown sequence 3", seq_slots=[3])
+    err = T.EpCommandFailed(7, "unknown sequence (0, 3)", bad_rows=[(0, 3)])
     assert isinstance(err, Exception) and err.step_id == 7 and "step 7" in str(err)
+    assert err.bad_rows == ((0, 3),)
     assert T.PrefixReclaim(target=4, free=2).free < 4
 
 

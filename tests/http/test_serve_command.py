@@ -25,8 +25,10 @@ sys.exit(serve_main(_parser().parse_args(sys.argv[1:])))
 @pytest.mark.slow
 def test_serve_main_over_a_tokenizer_less_checkpoint(qwen3_ckpt, tmp_path):
     port = free_port()
-    env = {k: v for k, v in os.environ.items() if k not in ("RAY_ADDRESS", "EPSERVE_API_KEY")}
-    env.update(RAY_AUTH_MODE="disabled", RAY_USAGE_STATS_ENABLED="0", PYTHONUNBUFFERED="1")
+    # what a user gets: no Ray auth settings of ours (epserve serve makes its own token)
+    env = {k: v for k, v in os.environ.items() if k not in (
+        "RAY_ADDRESS", "EPSERVE_API_KEY", "RAY_AUTH_MODE", "RAY_AUTH_TOKEN")}
+    env.update(RAY_USAGE_STATS_ENABLED="0", PYTHONUNBUFFERED="1")
     out = open(tmp_path / "stdout.log", "w")
     err = open(tmp_path / "stderr.log", "w")
     proc = subprocess.Popen(

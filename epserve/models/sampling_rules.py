@@ -1,0 +1,69 @@
+"""The one definition of a valid row sampling: what the head accepts and what every rank checks.
+
+Owns the value ranges of ``RowSampling``'s fields. ``SamplingParams`` (the head's edge, before
+a request is queued) and ``EpMirror`` (every EP rank, before a step runs) both call
+``row_sampling_problem``, so a value the ranks would refuse is refused at the edge first, with a
+message naming the field. Invariants: pure Python, no torch; a ``RowSampling`` the head builds
+from a request it accepted never has a problem here; a ``top_k`` at or above the vocabulary
+size keeps every token (it is "off", as ``0`` is), so no request can be refused for asking too
+many.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Sequence
+
+#: Most alternatives a request may ask for per token (OpenAI's and vLLM's cap). A hard limit:
+#: the step command and the rank results are bounded by it.
+MAX_LOGPROBS = 20
+
+#: Sampling seeds are unsigned 64-bit on the wire and in the sampler's hash.
+SEED_BOUND = 2**64
+
+
+def _finite(v: float) -> bool:
+    return isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
+
+
+def value_problem(temperature: float, top_p: float, top_k: int, min_p: float, seed: int,
+                  logprobs: int | None) -> tuple[str, str] | None:
+    """``(field, what is wrong)`` for the first out-of-range value, or None.
+
+    The vocabulary-free part of the rule (what ``SamplingParams`` can judge alone)."""
+    if not (_finite(temperature) and temperature >= 0):
+        return "temperature", f"must be a finite number >= 0, got {temperature!r}"
+    if not (_finite(top_p) and 0 < top_p <= 1):
+        return "top_p", f"must be in (0, 1], got {top_p!r}"
+    if isinstance(top_k, bool) or not isinstance(top_k, int) or top_k < 0:
+        return "top_k", f"must be an int >= 0 (0 = off), got {top_k!r}"
+    if not (_finite(min_p) and 0 <= min_p <= 1):
+        return "min_p", f"must be in [0, 1], got {min_p!r}"
+    if isinstance(seed, bool) or not isinstance(seed, int) or not 0 <= seed < SEED_BOUND:
+        return "seed", f"must be an int in [0, 2**64), got {seed!r}"
+    if logprobs is not None and (isinstance(logprobs, bool) or not isinstance(logprobs, int)
+                                 or not 0 <= logprobs <= MAX_LOGPROBS):
+        return "logprobs", f"must be an int in [0, {MAX_LOGPROBS}] or None, got {logprobs!r}"
+    return None
+
+
+def token_ids_problem(ids: Sequence[int], vocab_size: int) -> str | None:
+    """What is wrong with token ids that must name vocabulary entries, or None."""
+    for t in ids:
+        if isinstance(t, bool) or not isinstance(t, int) or not 0 <= t < vocab_size:
+            return f"{t!r} is not a token id in [0, {vocab_size})"
+    return None
+
+
+def row_sampling_problem(temperature: float, top_p: float, top_k: int, min_p: float, seed: int,
+                         logprobs: int | None, banned: Sequence[int],
+                         vocab_size: int) -> tuple[str, str] | None:
+    """``(field, what is wrong)`` for a row's sampling, or None when every rank accepts it.
+
+    ``banned``: the ids the row may not sample now (stop ids and EOS under ``min_tokens``),
+    which must be vocabulary ids."""
+    found = value_problem(temperature, top_p, top_k, min_p, seed, logprobs)
+    if found is not None:
+        return found
+    bad = token_ids_problem(banned, vocab_size)
+    return None if bad is None else ("banned_token_ids", bad)
