@@ -21,16 +21,19 @@ import logging
 import os
 import threading
 import time
-from typing import Any, AsyncIterator, Sequence
+from typing import Any
 
 from epserve.cluster.engine_args import EngineArgs, build_engine
-from epserve.head.async_engine import AsyncEngine
+from epserve.head.async_engine import AsyncEngine, Outbox
+from epserve.head.output_stream import Submission, encode_records
 from epserve.head.outputs import RequestOutput
 from epserve.head.sampling_params import SamplingParams
 
 log = logging.getLogger(__name__)
 
 WATCH_PERIOD_S = 0.5
+#: A client that has not polled for this long is gone: its requests are aborted.
+CLIENT_TIMEOUT_S = 30.0
 
 
 class HeadActor:
@@ -45,6 +48,8 @@ class HeadActor:
         self._reforming = False
         self._unhealthy: str | None = None
         self.reforms = 0
+        self._outboxes: dict[str, Outbox] = {}
+        self._reaper: asyncio.Task | None = None
         self.engine, self.runner, self.tokenizer = self._build()
         self.aengine = AsyncEngine(self.engine, recoverable=self.args.ep_size > 1)
         if self.args.ep_size > 1:
@@ -119,12 +124,60 @@ class HeadActor:
             "ep_size": self.args.ep_size,
         }
 
-    async def generate(self, request_id: str, prompt_ids: Sequence[int], params: dict[str, Any],
-                       prompt: str | None = None) -> AsyncIterator[RequestOutput]:
-        """Stream cumulative ``RequestOutput``s of one request (Ray streaming generator)."""
-        sp = SamplingParams(**params)
-        async for out in self.aengine.generate(request_id, list(prompt_ids), sp, prompt):
-            yield out
+    # The client channel: a client (an ingress replica, a remote LLM) submits requests in
+    # batches and long-polls for its requests' news, one message per poll with every record
+    # since the last: one actor call per client per engine step at most, whatever the number
+    # of requests and tokens (not one Ray object per token).
+
+    async def submit(self, client_id: str, requests: list[list]) -> list[str | None]:
+        """Queue each request (``Submission.to_wire()``); per request None, or why it was
+        refused (a ``ValueError`` message naming the field). ``EngineDead`` when the engine
+        cannot serve anything."""
+        outbox = self._outbox(client_id)
+        errors: list[str | None] = []
+        for wire in requests:
+            sub = Submission.from_wire(wire)
+            try:
+                self.aengine.submit(outbox, sub.request_id, sub.prompt_token_ids,
+                                    SamplingParams(**sub.params), sub.prompt)
+                errors.append(None)
+            except (TypeError, ValueError) as exc:
+                errors.append(str(exc))
+        return errors
+
+    async def poll(self, client_id: str, wait_s: float = 1.0) -> bytes:
+        """Every delta record for this client's requests since its last poll (one msgpack
+        frame, ``head.output_stream``), waiting up to ``wait_s`` for the first."""
+        return encode_records(await self._outbox(client_id).take(wait_s))
+
+    async def abort_many(self, client_id: str, request_ids: list[str]) -> None:
+        outbox = self._outboxes.get(client_id)
+        for rid in request_ids:
+            self.aengine.abort(rid)
+            if outbox is not None:
+                outbox.requests.discard(rid)
+
+    def _outbox(self, client_id: str) -> Outbox:
+        box = self._outboxes.get(client_id)
+        if box is None:
+            box = self._outboxes[client_id] = Outbox(client_id)
+            if self._reaper is None:
+                self._reaper = asyncio.get_running_loop().create_task(self._reap_clients())
+        return box
+
+    async def _reap_clients(self) -> None:
+        """A client that stopped polling (its replica died) has its requests aborted, so
+        their KV is freed."""
+        while True:
+            await asyncio.sleep(CLIENT_TIMEOUT_S / 4)
+            now = time.monotonic()
+            for cid, box in list(self._outboxes.items()):
+                if now - box.last_seen > CLIENT_TIMEOUT_S:
+                    log.warning("client %s stopped polling; aborting its %d requests", cid,
+                                len(box.requests))
+                    for rid in box.requests:
+                        self.aengine.abort(rid)
+                    del self._outboxes[cid]
 
     async def generate_batch(self, requests: list[dict[str, Any]]) -> list[RequestOutput]:
         """Final outputs of several requests (the offline API over EP). Every request is

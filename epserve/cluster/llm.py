@@ -285,7 +285,8 @@ class LLM:
                              f"got {type(sampling_params).__name__}")
         text, ids = self._prompt_ids(prompt, 0)
         if self._remote is not None:
-            return self._remote.stream(text, ids, sampling_params or SamplingParams())
+            return self._remote.stream(text, ids, sampling_params or SamplingParams(),
+                                       self.tokenizer)
         try:
             self.engine.check_request(ids, sampling_params or SamplingParams())
         except ValueError as exc:

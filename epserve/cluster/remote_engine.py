@@ -14,6 +14,9 @@ from typing import Any, Iterator, Sequence
 
 from epserve.cluster.engine_args import EngineArgs
 from epserve.head.async_engine import EngineDead
+from epserve.head.output_stream import (
+    OutputAccumulator, Submission, decode_records, snapshot,
+)
 from epserve.head.outputs import RequestOutput
 from epserve.head.sampling_params import SamplingParams
 
@@ -57,22 +60,37 @@ class RemoteEngine:
                 for (text, ids), sp in zip(prompts, params)]
         return self._call(self.head.generate_batch.remote(reqs))
 
-    def stream(self, text: str | None, ids: list[int], params: SamplingParams
-               ) -> Iterator[RequestOutput]:
+    def stream(self, text: str | None, ids: list[int], params: SamplingParams,
+               tokenizer: Any = None) -> Iterator[RequestOutput]:
+        """The request's cumulative output after each step that changed it, over the head's
+        client channel (submit, then poll for delta records)."""
         import ray
 
         self._ids += 1
         rid = f"{self.name}-stream-{self._ids}"
-        gen = self.head.generate.remote(rid, ids, dataclasses.asdict(params), text)
+        decode = (lambda t: tokenizer.decode([t], skip_special_tokens=False)) \
+            if tokenizer is not None else (lambda t: "")
+        acc = OutputAccumulator(rid, text, list(ids), params.n, params.logprobs is not None,
+                                decode)
+        sub = Submission(rid, list(ids), dataclasses.asdict(params), text)
+        (error,) = self._call(self.head.submit.remote(self.name, [sub.to_wire()]))
+        if error is not None:
+            raise ValueError(error)
         finished = False
         try:
-            for ref in gen:
-                out = self._call(ref)
-                finished = out.finished
-                yield out
+            while not finished:
+                frame = self._call(self.head.poll.remote(self.name, 1.0))
+                changed = False
+                for rec in decode_records(frame):
+                    if rec[0] == rid:
+                        acc.apply(rec)
+                        changed = True
+                if changed:
+                    finished = acc.output.finished
+                    yield snapshot(acc.output)
         finally:
             if not finished:
-                ray.get(self.head.abort.remote(rid))
+                ray.get(self.head.abort_many.remote(self.name, [rid]))
 
     def stats(self) -> dict[str, Any]:
         return self._call(self.head.stats.remote())

@@ -114,6 +114,9 @@ async def connect(config: AppConfig) -> tuple[OpenAIServing, Gate]:
                          f"{facts['model']!r}, not {local.model!r}; stop it or pick another "
                          f"head_name")
     tokenizer = await asyncio.to_thread(load_tokenizer, local.model, local.tokenizer)
+    # logprob dicts are built here, in the ingress, with the token texts decoded here
+    client.decode = (lambda t: tokenizer.decode([t], skip_special_tokens=False)) \
+        if tokenizer is not None else (lambda t: "")
     info = ModelInfo(name=str(facts["served_model_name"]), path=str(facts["model"]),
                      max_model_len=int(facts["max_model_len"]),
                      vocab_size=int(facts["vocab_size"]))

@@ -1,20 +1,30 @@
-"""EngineClient: the ingress's side of the HeadActor (streams, aborts, health, stats).
+"""EngineClient: the ingress's side of the HeadActor (submissions, outputs, aborts, health).
+
+The channel (``head.output_stream``): requests started on this replica within one event-loop
+turn (or while the previous submission call is in flight) travel to the head in one ``submit``
+call; one long-poll loop per replica fetches every one of its requests' news in one message
+per engine step (or per few steps when the head is faster than a call); the records are
+applied to each request's cumulative output and its waiter is woken. A reader that lags sees
+only the latest state, so its next chunk carries every token since the last (coalescing).
 
 Invariants: every stream this client opens ends — with a finished output, or with an
-``ApiError`` (400 for a request the engine refused, 503 when the engine or its actor is
-gone, 500 for a request the engine failed) — and a stream that ends any other way (client
-gone, cancelled, error) aborts its request on the head, so its KV is freed.
+``ApiError`` (400 for a request the engine refused, 503 when the engine or its actor is gone,
+500 for a request the engine failed) — and a stream that ends any other way (client gone,
+cancelled, error) aborts its request on the head, so its KV is freed; a submission and the
+abort of the same request reach the head in that order.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
-from typing import Any, AsyncIterator, Sequence
+import uuid
+from typing import Any, AsyncIterator, Callable, Sequence
 
 from epserve.deploy.errors import ApiError, from_value_error
 from epserve.deploy.metrics import RequestTimer
 from epserve.head.async_engine import EngineDead
+from epserve.head.output_stream import OutputAccumulator, Submission, decode_records
 from epserve.head.outputs import RequestOutput
 
 log = logging.getLogger(__name__)
@@ -23,17 +33,40 @@ PROBE_TIMEOUT_S = 10.0
 #: /health answers within a second whatever the head does: a head that does not answer the
 #: probe in this time is reported unhealthy (503), never waited for.
 HEALTH_TIMEOUT_S = 0.8
+#: How long one poll waits at the head for news before it returns empty and polls again.
+POLL_WAIT_S = 1.0
+SUBMIT_TIMEOUT_S = 60.0
 
 
 def _unavailable(why: str) -> ApiError:
     return ApiError(503, f"the engine is not available: {why}", code="engine_unavailable")
 
 
-class EngineClient:
-    """Wraps a HeadActor handle (``cluster.bringup.start_head``)."""
+class _Live:
+    """One open request: its cumulative output, and a flag its reader waits on."""
 
-    def __init__(self, head: Any):
+    __slots__ = ("acc", "changed", "failure")
+
+    def __init__(self, acc: OutputAccumulator):
+        self.acc = acc
+        self.changed = asyncio.Event()
+        self.failure: ApiError | None = None
+
+
+class EngineClient:
+    """Wraps a HeadActor handle (``cluster.bringup.start_head``). ``decode``: token id -> text,
+    for the logprob dicts this side builds."""
+
+    def __init__(self, head: Any, decode: Callable[[int], str] | None = None):
         self.head = head
+        self.decode = decode
+        self.client_id = f"ingress-{uuid.uuid4().hex[:12]}"
+        self._live: dict[str, _Live] = {}
+        self._submits: list[tuple[Submission, asyncio.Future]] = []
+        self._aborts: list[str] = []
+        self._flusher: asyncio.Task | None = None
+        self._poller: asyncio.Task | None = None
+        self.polls = 0  # messages received from the head (the mechanism test reads it)
 
     async def _call(self, method: str, *args: Any, timeout: float = PROBE_TIMEOUT_S) -> Any:
         from ray.exceptions import GetTimeoutError, RayActorError
@@ -58,25 +91,27 @@ class EngineClient:
             return False, exc.message
         return bool(h.get("healthy")), h.get("reason")
 
-    def abort(self, request_id: str) -> None:
-        try:
-            self.head.abort.remote(request_id)
-        except Exception:  # the head is gone: nothing left to free
-            log.debug("abort(%s) not sent", request_id, exc_info=True)
+    # ------------------------------------------------------------------ one request
 
     async def stream(self, request_id: str, prompt_ids: Sequence[int], params: dict[str, Any],
                      prompt: str | None, param: str = "prompt",
                      timer: RequestTimer | None = None) -> AsyncIterator[RequestOutput]:
-        """The request's cumulative outputs; the last one is finished and has no error.
+        """The request's cumulative output, each time it changed (the latest state only, when
+        several changes arrived since the last); the last one is finished and has no error.
         ``timer`` observes its latencies as outputs arrive."""
-        from ray.exceptions import RayActorError, RayTaskError
-
+        acc = OutputAccumulator(request_id, prompt, list(prompt_ids), int(params.get("n", 1)),
+                                params.get("logprobs") is not None, self.decode)
+        live = self._live[request_id] = _Live(acc)
         finished = False
-        gen = None
         try:
-            gen = self.head.generate.remote(request_id, list(prompt_ids), params, prompt)
-            async for ref in gen:
-                out: RequestOutput = await ref
+            await self._submit(Submission(request_id, list(prompt_ids), params, prompt), param)
+            self._ensure_poller()
+            while True:
+                await live.changed.wait()
+                live.changed.clear()
+                if live.failure is not None:
+                    raise live.failure
+                out = acc.output
                 if out.error is not None:
                     raise ApiError(500, f"the engine failed this request: {out.error}",
                                    code="engine_error")
@@ -86,31 +121,88 @@ class EngineClient:
                 yield out
                 if finished:
                     return
-            raise ApiError(500, "the engine ended the stream before the request finished",
-                           code="engine_error")
-        except RayActorError as exc:
-            raise _unavailable(f"the head actor died ({type(exc).__name__})") from None
-        except EngineDead as exc:
-            raise _unavailable(str(getattr(exc, "cause", exc))) from None
-        except ValueError as exc:
-            raise from_value_error(exc, default_param=param) from None
-        except RayTaskError as exc:  # a bug in the head: its text is for the log only
-            log.error("request %s: the head raised %s", request_id, exc)
-            raise ApiError(500, f"the engine failed ({type(getattr(exc, 'cause', exc)).__name__})",
-                           code="engine_error") from None
         finally:
+            self._live.pop(request_id, None)
             if not finished:
-                self.abort(request_id)
-                if gen is not None:
-                    _cancel(gen)
+                self._aborts.append(request_id)
+                self._kick()
 
+    async def _submit(self, sub: Submission, param: str) -> None:
+        fut = asyncio.get_running_loop().create_future()
+        self._submits.append((sub, fut))
+        self._kick()
+        error = await fut
+        if error is not None:
+            raise from_value_error(ValueError(error), default_param=param)
 
-def _cancel(gen: Any) -> None:
-    """End the head's side of an abandoned stream: an unconsumed Ray generator task would
-    otherwise wait on its queue forever."""
-    import ray
+    # ------------------------------------------------------------------ the channel
 
-    try:
-        ray.cancel(gen)
-    except Exception:
-        log.debug("cancel of an abandoned stream failed", exc_info=True)
+    def _kick(self) -> None:
+        if self._flusher is None or self._flusher.done():
+            self._flusher = asyncio.get_running_loop().create_task(self._flush())
+
+    async def _flush(self) -> None:
+        """Send what is queued: every submission of this loop turn in one call, then aborts."""
+        while self._submits or self._aborts:
+            await asyncio.sleep(0)  # the rest of this turn's requests join the batch
+            subs = [(s, f) for s, f in self._submits if not f.done()]
+            aborts, self._submits, self._aborts = self._aborts, [], []
+            ref = self.head.submit.remote(self.client_id, [s.to_wire() for s, _ in subs]) \
+                if subs else None
+            if aborts:  # after the submissions, so an abort never overtakes its request
+                self.head.abort_many.remote(self.client_id, aborts)
+            if ref is not None:
+                await self._answer(ref, subs)
+
+    async def _answer(self, ref: Any, subs: list[tuple[Submission, asyncio.Future]]) -> None:
+        from ray.exceptions import GetTimeoutError, RayActorError
+
+        try:
+            errors = await asyncio.wait_for(ref, SUBMIT_TIMEOUT_S)
+        except EngineDead as exc:
+            failure = _unavailable(str(getattr(exc, "cause", exc)))
+        except (RayActorError, asyncio.TimeoutError, GetTimeoutError) as exc:
+            failure = _unavailable(f"submit() failed ({type(exc).__name__})")
+        except Exception as exc:  # a bug in the head: its text is for the log only
+            log.error("submit to the head failed: %s", exc)
+            failure = ApiError(500, f"the engine failed ({type(exc).__name__})",
+                               code="engine_error")
+        else:
+            for (_, fut), err in zip(subs, errors):
+                if not fut.done():
+                    fut.set_result(err)
+            return
+        for _, fut in subs:
+            if not fut.done():
+                fut.set_exception(failure)
+
+    def _ensure_poller(self) -> None:
+        if self._poller is None or self._poller.done():
+            self._poller = asyncio.get_running_loop().create_task(self._poll())
+
+    async def _poll(self) -> None:
+        """Fetch this replica's news while it has open requests."""
+        from ray.exceptions import RayActorError
+
+        while self._live:
+            try:
+                frame = await self.head.poll.remote(self.client_id, POLL_WAIT_S)
+            except RayActorError as exc:
+                self._fail_all(_unavailable(f"the head actor died ({type(exc).__name__})"))
+                return
+            except Exception as exc:
+                log.error("polling the head failed: %s", exc)
+                self._fail_all(ApiError(500, f"the engine failed ({type(exc).__name__})",
+                                        code="engine_error"))
+                return
+            self.polls += 1
+            for rec in decode_records(frame):
+                live = self._live.get(rec[0])
+                if live is not None:
+                    live.acc.apply(rec)
+                    live.changed.set()
+
+    def _fail_all(self, failure: ApiError) -> None:
+        for live in self._live.values():
+            live.failure = failure
+            live.changed.set()

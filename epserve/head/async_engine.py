@@ -1,13 +1,18 @@
-"""AsyncEngine: drives an Engine on its own thread and streams outputs to asyncio callers.
+"""AsyncEngine: drives an Engine on its own thread and delivers outputs to asyncio callers.
 
-Invariants: only the engine thread touches the Engine (adds and aborts are queued in an inbox
-it drains before each step), so no caller ever waits on a lock the engine thread holds during
-a step: an event loop that calls ``generate``, ``abort``, ``snapshot`` or ``health`` never
-blocks, even while a step is stuck in a collective. Every request's stream ends (finished
-output, or an error output that keeps the tokens it had) — a caller never waits forever; a
-caller that stops listening aborts its request, so its KV is freed. When the model breaks
-(a rank died), the engine can be replaced: ``suspend`` parks the loop, ``resume`` hands every
-unfinished and queued request to the new engine, which prefills them again and goes on.
+Two kinds of listener: a client ``Outbox`` (an ingress replica, a remote ``LLM``) gets every
+one of its requests' news as delta records (``head.output_stream``), all of a step's records
+in one hand-over; an in-process ``generate`` stream gets cumulative ``RequestOutput``s.
+
+Invariants: only the engine thread touches the Engine (submissions and aborts are queued in an
+inbox it drains before each step), so no caller ever waits on a lock the engine thread holds
+during a step: an event loop that submits, aborts, polls or reads ``snapshot`` never blocks,
+even while a step is stuck in a collective. Each step costs one wake-up per event loop, however
+many requests and tokens it produced. Every request's stream ends (finished output, or an error
+that keeps the tokens it had) — a caller never waits forever; a caller that stops listening
+aborts its request, so its KV is freed. When the model breaks (a rank died), the engine can be
+replaced: ``suspend`` parks the loop, ``resume`` hands every unfinished and queued request to
+the new engine, which prefills them again and goes on.
 """
 
 from __future__ import annotations
@@ -21,8 +26,11 @@ from dataclasses import dataclass, field
 from typing import AsyncIterator, Sequence
 
 from epserve.head.engine import Engine
+from epserve.head.output_builder import build_output
+from epserve.head.output_stream import Record, delta_record
 from epserve.head.outputs import CompletionOutput, RequestOutput
 from epserve.head.sampling_params import SamplingParams
+from epserve.head.sequence import Request
 
 log = logging.getLogger(__name__)
 
@@ -40,10 +48,55 @@ class EngineSnapshot:
     generation_tokens: int
     num_preemptions: int
     finished: dict[str, int] = field(default_factory=dict)
+    steps: int = 0
 
 
 class EngineDead(RuntimeError):
     """The engine loop has stopped (a failure, or shutdown); no request can be served."""
+
+
+class Outbox:
+    """One client's delta records, waiting for its next ``take`` (lives on one event loop)."""
+
+    def __init__(self, client_id: str):
+        self.client_id = client_id
+        self.loop = asyncio.get_running_loop()
+        self.records: list[Record] = []
+        self.ready = asyncio.Event()
+        self.requests: set[str] = set()
+        self.last_seen = time.monotonic()
+
+    def put(self, records: list[Record]) -> None:  # on self.loop
+        self.records.extend(records)
+        self.ready.set()
+
+    async def take(self, wait_s: float) -> list[Record]:
+        """Every record so far, waiting up to ``wait_s`` for the first."""
+        self.last_seen = time.monotonic()
+        if not self.records:
+            try:
+                await asyncio.wait_for(self.ready.wait(), wait_s)
+            except asyncio.TimeoutError:
+                pass
+        out, self.records = self.records, []
+        self.ready.clear()
+        self.last_seen = time.monotonic()
+        for rec in out:
+            if rec[1]:  # finished: the client will not hear of it again
+                self.requests.discard(rec[0])
+        return out
+
+
+class _Stream:
+    """An in-process listener of one request: cumulative outputs on an asyncio queue."""
+
+    def __init__(self) -> None:
+        self.loop = asyncio.get_running_loop()
+        self.queue: asyncio.Queue = asyncio.Queue()
+
+    def put(self, outs: list[RequestOutput]) -> None:  # on self.loop
+        for out in outs:
+            self.queue.put_nowait(out)
 
 
 @dataclass(frozen=True)
@@ -55,16 +108,16 @@ class _Add:
 
 
 class AsyncEngine:
-    """Thread-backed engine loop with per-request asyncio queues."""
+    """Thread-backed engine loop with client outboxes and per-request streams."""
 
     def __init__(self, engine: Engine, idle_wait_s: float = 0.05, recoverable: bool = False):
         """``recoverable``: the owner replaces a broken engine (``resume``) or gives up
         (``mark_dead``); otherwise a failed step ends every request at once."""
         self.engine = engine
         self._recoverable = recoverable
-        self._inbox: deque[_Add | str] = deque()  # adds, and request ids to abort
+        self._inbox: deque[_Add | str] = deque()  # submissions, and request ids to abort
         self._wake = threading.Event()
-        self._queues: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = {}
+        self._sinks: dict[str, Outbox | _Stream] = {}
         self._dead: str | None = None
         self._suspended: str | None = None
         self._stop = False
@@ -72,7 +125,8 @@ class AsyncEngine:
         self._parked = threading.Event()  # set while the loop is outside any step, suspended
         self.failure: str | None = None  # why the last step broke the engine, if it did
         self.step_started_at: float | None = None
-        self._snapshot = engine_snapshot(engine, None)
+        self.steps = 0
+        self._snapshot = engine_snapshot(engine, None, 0)
         self._thread = self._start_thread()
 
     def _start_thread(self) -> threading.Thread:
@@ -86,19 +140,17 @@ class AsyncEngine:
         while not self._stop:
             if self._suspended is not None:
                 self._parked.set()
-                self._wake.wait(self._idle_wait_s)
-                self._wake.clear()
+                self._idle()
                 continue
             self._parked.clear()
             self._drain_inbox()
             if not self.engine.has_unfinished():
                 self._publish()
-                self._wake.wait(self._idle_wait_s)
-                self._wake.clear()
+                self._idle()
                 continue
             try:
                 self.step_started_at = time.monotonic()
-                outs = self.engine.step()
+                touched = self.engine.advance()
             except Exception as exc:  # the model broke: park until replaced or declared dead
                 log.exception("engine step failed")
                 self.failure = f"the engine failed a step ({type(exc).__name__})"
@@ -109,12 +161,18 @@ class AsyncEngine:
                 continue
             finally:
                 self.step_started_at = None
-            self._deliver(outs)
+            self.steps += 1
+            self._deliver(touched)
             self._publish()
         self._parked.set()
 
+    def _idle(self) -> None:
+        self._wake.wait(self._idle_wait_s)
+        self._wake.clear()
+
     def _drain_inbox(self) -> None:
         inbox = self._inbox
+        refused: list[Request] = []
         while inbox:
             item = inbox.popleft()
             if isinstance(item, str):
@@ -124,27 +182,34 @@ class AsyncEngine:
                 self.engine.add_request(item.request_id, item.prompt_ids, item.params,
                                         prompt=item.prompt)
             except ValueError as exc:  # checked by the caller; e.g. an id reused meanwhile
-                self._deliver([_error_output(item.request_id, str(exc))])
+                refused.append(_refused(item, str(exc)))
+        if refused:
+            self._deliver(refused)
 
-    def _deliver(self, outs: Sequence[RequestOutput]) -> None:
-        """One wake-up per event loop per step, whatever the number of outputs."""
+    def _deliver(self, requests: Sequence[Request]) -> None:
+        """Every listener's news of ``requests``: one hand-over per event loop."""
         by_loop: dict[asyncio.AbstractEventLoop, list] = {}
-        for out in outs:
-            entry = self._queues.get(out.request_id)
-            if entry is None:
+        for req in requests:
+            sink = self._sinks.get(req.request_id)
+            if sink is None:
                 continue
-            loop, queue = entry
-            if out.finished:
-                self._queues.pop(out.request_id, None)
-            by_loop.setdefault(loop, []).append((queue, out))
+            if req.finished:
+                self._sinks.pop(req.request_id, None)
+            if isinstance(sink, Outbox):
+                item = delta_record(req)
+                if item is None:
+                    continue
+            else:
+                item = build_output(req, self.engine.tokenizer)
+            by_loop.setdefault(sink.loop, []).append((sink, item))
         for loop, items in by_loop.items():
             try:
-                loop.call_soon_threadsafe(_put_all, items)
+                loop.call_soon_threadsafe(_hand_over, items)
             except RuntimeError:  # that caller's loop is closed: nobody is listening
                 pass
 
     def _publish(self) -> None:
-        self._snapshot = engine_snapshot(self.engine, self._dead)
+        self._snapshot = engine_snapshot(self.engine, self._dead, self.steps)
 
     # ------------------------------------------------------------------ a broken model
 
@@ -178,7 +243,7 @@ class AsyncEngine:
         self.engine = engine
         self.failure = None
         self._suspended = None
-        self._snapshot = engine_snapshot(engine, None)
+        self._snapshot = engine_snapshot(engine, None, self.steps)
         self._wake.set()
 
     def mark_dead(self, reason: str) -> None:
@@ -187,18 +252,14 @@ class AsyncEngine:
         self._dead = self._dead or reason
         self._stop = True
         self._wake.set()
-        outs = self.engine.fail_all(reason)
-        queued = [item for item in self._inbox if isinstance(item, _Add)]
+        ended = self.engine.fail_all(reason)
+        ended += [_refused(item, reason) for item in list(self._inbox) if isinstance(item, _Add)]
         self._inbox.clear()
-        outs += [_error_output(item.request_id, reason) for item in queued]
-        self._deliver(outs)
-        for rid, (loop, queue) in list(self._queues.items()):  # anything left: end it too
-            try:
-                loop.call_soon_threadsafe(queue.put_nowait, _error_output(rid, reason))
-            except RuntimeError:
-                pass
-        self._queues.clear()
-        self._snapshot = engine_snapshot(self.engine, self._dead)
+        self._deliver(ended)
+        for rid in list(self._sinks):  # anything left (never reached the engine): end it too
+            self._deliver([_refused(_Add(rid, [], SamplingParams(), None), reason)])
+        self._sinks.clear()
+        self._snapshot = engine_snapshot(self.engine, self._dead, self.steps)
 
     def shutdown(self, timeout_s: float = 5.0) -> None:
         self._stop = True
@@ -209,23 +270,37 @@ class AsyncEngine:
 
     # ------------------------------------------------------------------ requests
 
+    def submit(self, outbox: Outbox, request_id: str, prompt_ids: Sequence[int],
+               params: SamplingParams, prompt: str | None = None) -> None:
+        """Queue a request whose news goes to ``outbox``; ``ValueError`` (naming the field)
+        when it cannot be served, ``EngineDead`` when nothing can. Call on ``outbox.loop``."""
+        if self._dead is not None:
+            raise EngineDead(self._dead)
+        ids = self.engine.check_request(prompt_ids, params)  # config only: no engine state
+        if request_id in self._sinks:
+            raise ValueError(f"request_id {request_id!r} is already in use")
+        self._sinks[request_id] = outbox
+        outbox.requests.add(request_id)
+        self._inbox.append(_Add(request_id, ids, params, prompt))
+        self._wake.set()
+
     async def generate(self, request_id: str, prompt_ids: Sequence[int], params: SamplingParams,
                        prompt: str | None = None) -> AsyncIterator[RequestOutput]:
         """Yield the request's cumulative output after each step that changed it; the last
         one is finished. ``ValueError`` (before anything yields) for an invalid request."""
         if self._dead is not None:
             raise EngineDead(self._dead)
-        ids = self.engine.check_request(prompt_ids, params)  # config only: no engine state
-        if request_id in self._queues:
+        ids = self.engine.check_request(prompt_ids, params)
+        if request_id in self._sinks:
             raise ValueError(f"request_id {request_id!r} is already in use")
-        queue: asyncio.Queue = asyncio.Queue()
-        self._queues[request_id] = (asyncio.get_running_loop(), queue)
+        stream = _Stream()
+        self._sinks[request_id] = stream
         self._inbox.append(_Add(request_id, ids, params, prompt))
         self._wake.set()
         finished = False
         try:
             while not finished:
-                out = await queue.get()
+                out = await stream.queue.get()
                 finished = out.finished
                 yield out
         finally:
@@ -234,7 +309,7 @@ class AsyncEngine:
 
     def abort(self, request_id: str) -> None:
         """Stop a request and free its KV (on the engine thread, before its next step)."""
-        self._queues.pop(request_id, None)
+        self._sinks.pop(request_id, None)
         self._inbox.append(request_id)
         self._wake.set()
 
@@ -243,12 +318,19 @@ class AsyncEngine:
         return self._snapshot
 
 
-def _put_all(items: list) -> None:
-    for queue, out in items:
-        queue.put_nowait(out)
+def _hand_over(items: list) -> None:
+    for sink, item in items:
+        sink.put([item])
 
 
-def engine_snapshot(eng: Engine, dead: str | None) -> EngineSnapshot:
+def _refused(item: _Add, reason: str) -> Request:
+    """A request that never ran, finished with ``reason`` (for its listener)."""
+    req = Request(item.request_id, item.prompt, list(item.prompt_ids), item.params, 0, -1)
+    req.error = reason
+    return req
+
+
+def engine_snapshot(eng: Engine, dead: str | None, steps: int = 0) -> EngineSnapshot:
     """The engine's counters now (call with the engine idle or from its own thread)."""
     sched = eng.scheduler
     return EngineSnapshot(
@@ -256,10 +338,10 @@ def engine_snapshot(eng: Engine, dead: str | None) -> EngineSnapshot:
         num_running=len(sched.running), num_waiting=len(sched.waiting),
         kv_usage=eng.model.kv_cache_usage(),
         prompt_tokens=eng.stats.prompt_tokens, generation_tokens=eng.stats.generation_tokens,
-        num_preemptions=sched.num_preemptions, finished=dict(eng.stats.finished))
+        num_preemptions=sched.num_preemptions, finished=dict(eng.stats.finished), steps=steps)
 
 
-def _error_output(request_id: str, reason: str) -> RequestOutput:
+def error_output(request_id: str, reason: str) -> RequestOutput:
     return RequestOutput(request_id=request_id, prompt=None, prompt_token_ids=[],
                          outputs=[CompletionOutput(index=0, finish_reason="error")],
                          finished=True, error=reason)

@@ -167,20 +167,19 @@ class Engine:
         self.stats = old.stats
         self._rng, self._arrivals, self._ids = old._rng, old._arrivals, old._ids
 
-    def fail_all(self, reason: str) -> list[RequestOutput]:
+    def fail_all(self, reason: str) -> list[Request]:
         """Finish every unfinished request with ``reason`` as its error, keeping the tokens
-        and text it has; returns their final outputs. Touches no model (it may be dead or stuck
-        in a step on another thread)."""
-        outs = []
-        for req in list(self.requests.values()):
+        and text it has; returns them. Touches no model (it may be dead or stuck in a step on
+        another thread)."""
+        failed = list(self.requests.values())
+        for req in failed:
             for seq in req.seqs:
                 if not seq.finished:
                     seq.status = SeqStatus.FINISHED
                     seq.finish_reason = "error"
             req.error = req.error or reason
-            outs.append(build_output(req, self.tokenizer))
         self.requests = {}
-        return outs
+        return failed
 
     # ------------------------------------------------------------------ the step
 
@@ -189,6 +188,12 @@ class Engine:
         that finished in it with ``finished_only``: an offline batch reads nothing else, and
         building a cumulative output per running request per step costs the host
         O(prompt + output) each)."""
+        return [build_output(req, self.tokenizer) for req in self.advance()
+                if req.finished or not finished_only]
+
+    def advance(self) -> list[Request]:
+        """Run one model step; every request it changed, in the order it changed them. The
+        finished ones are retired (no longer in ``requests``; counted in ``stats``)."""
         plan = self.scheduler.schedule()
         touched: dict[str, Request] = {}
         for seq, reason in plan.failed:
@@ -208,7 +213,7 @@ class Engine:
                     self._fail_seq(seq, reason, touched)
             else:
                 self._apply(plan, result, touched)
-        return self._emit(touched, finished_only)
+        return self._retire(touched)
 
     def _apply(self, plan: StepPlan, result: MixedBatchResult, touched: dict[str, Request]) -> None:
         failed, m = result.failed, len(plan.decode)
@@ -266,14 +271,11 @@ class Engine:
         seq.request.error = reason
         touched[seq.request.request_id] = seq.request
 
-    def _emit(self, touched: dict[str, Request], finished_only: bool) -> list[RequestOutput]:
-        outs = []
+    def _retire(self, touched: dict[str, Request]) -> list[Request]:
         for req in touched.values():
-            if req.finished or not finished_only:
-                outs.append(build_output(req, self.tokenizer))
             if req.finished:
                 self.requests.pop(req.request_id, None)
                 for seq in req.seqs:
                     key = seq.finish_reason or "abort"
                     self.stats.finished[key] = self.stats.finished.get(key, 0) + 1
-        return outs
+        return list(touched.values())

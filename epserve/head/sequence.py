@@ -30,7 +30,9 @@ class Sequence:
 
     Set by the engine at creation: ``request``, ``index``, ``seed``, ``stops``, ``detok``.
     Set by the scheduler: ``status``, ``state``, ``admitted_at``. Set by the engine per step:
-    ``output_ids``, ``sampled``, ``finish_reason``, ``stop_reason``.
+    ``output_ids``, ``sampled``, ``finish_reason``, ``stop_reason``. Set by
+    ``head.output_stream`` only: ``sent_tokens``, ``sent_chars``, ``sent_finish`` (what the
+    client has been sent).
     """
 
     request: "Request"
@@ -48,6 +50,9 @@ class Sequence:
     finish_reason: str | None = None
     stop_reason: int | str | None = None
     num_preemptions: int = 0
+    sent_tokens: int = 0
+    sent_chars: int = 0
+    sent_finish: bool = False
 
     @property
     def prompt_ids(self) -> list[int]:
@@ -72,7 +77,8 @@ class Sequence:
 
 @dataclass(eq=False)
 class Request:
-    """A client's request: prompt, parameters and its sequences (``n`` of them)."""
+    """A client's request: prompt, parameters and its sequences (``n`` of them).
+    ``sent_prompt_logprobs`` / ``sent_finished``: written by ``head.output_stream`` only."""
 
     request_id: str
     prompt: str | None
@@ -85,6 +91,8 @@ class Request:
     error: str | None = None
     num_cached_tokens: int = 0
     user_data: Any = None
+    sent_prompt_logprobs: bool = False
+    sent_finished: bool = False
 
     @property
     def finished(self) -> bool:

@@ -228,3 +228,22 @@ def test_reforms_do_not_grow_head_memory(ray_cluster, ep2_qwen):
         rss.append(ray_cluster.get(head.memory_rss.remote()))
     growth = rss[-1] - rss[0]
     assert growth < 60 * 2**20, [r // 2**20 for r in rss]
+
+
+def test_stream_over_ep_grows_to_the_batch_output_and_closing_aborts(ray_cluster, ep2_qwen):
+    """LLM.stream over EP rides the head's client channel (submit, then poll for deltas):
+    each output it yields extends the last and the last equals generate's; closing the
+    iterator early aborts the request, and the engine stays free for the next one."""
+    ep, want = ep2_qwen
+    outs = list(ep.stream(LONG_PROMPTS[0], LONG))
+    ids = [o.outputs[0].token_ids for o in outs]
+    assert all(a == b[:len(a)] for a, b in zip(ids, ids[1:])) and len(outs) > 2
+    assert outs[-1].finished and ids[-1] == want[0]
+    it = ep.stream(LONG_PROMPTS[1], LONG)
+    next(it)
+    it.close()
+    deadline = time.monotonic() + 10
+    while ep.stats()["num_running"]:
+        assert time.monotonic() < deadline, ep.stats()
+        time.sleep(0.1)
+    assert _ids(ep.generate(LONG_PROMPTS[:2], LONG)) == want[:2]

@@ -1,0 +1,63 @@
+"""The head-to-client output channel (issue 19): one message per engine step at most, carrying
+every request's news as deltas, whatever the number of requests or tokens; applying the
+deltas gives exactly the engine's own outputs."""
+
+from __future__ import annotations
+
+import asyncio
+
+from epserve import LLM, SamplingParams
+from epserve.head.async_engine import AsyncEngine, Outbox
+from epserve.head.output_stream import (
+    OutputAccumulator, decode_records, encode_records,
+)
+
+
+def _prompts(n: int) -> list[list[int]]:
+    return [[(7 * i + j) % 200 + 3 for j in range(5 + i % 7)] for i in range(n)]
+
+
+async def _serve(aengine: AsyncEngine, prompts, params: SamplingParams, tokenizer):
+    """Submit every prompt to one outbox and poll it as an ingress replica does."""
+    outbox = Outbox("client-0")
+    accs = {}
+    for i, ids in enumerate(prompts):
+        rid = f"r{i}"
+        accs[rid] = OutputAccumulator(rid, None, ids, params.n, params.logprobs is not None,
+                                      lambda t: tokenizer.decode([t]))
+        aengine.submit(outbox, rid, ids, params)
+    messages = records = 0
+    steps0 = aengine.steps
+    while any(not a.output.finished for a in accs.values()):
+        frame = encode_records(await outbox.take(1.0))  # what crosses to the client
+        recs = decode_records(frame)
+        messages += bool(recs)
+        records += len(recs)
+        for rec in recs:
+            accs[rec[0]].apply(rec)
+    return [accs[f"r{i}"].output for i in range(len(prompts))], messages, \
+        aengine.steps - steps0, records
+
+
+def test_one_message_per_step_whatever_the_requests_and_tokens(demo_model_dir):
+    llm = LLM(model=str(demo_model_dir), dtype="float32", seed=0)
+    params = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True, logprobs=2)
+    wants = {n: llm.generate([{"prompt_token_ids": p} for p in _prompts(n)], params)
+             for n in (2, 24)}
+    aengine = AsyncEngine(llm.engine)  # from here on only its thread steps the engine
+    try:
+        for n, want in wants.items():
+            prompts = _prompts(n)
+            outs, messages, steps, records = asyncio.run(
+                _serve(aengine, prompts, params, llm.tokenizer))
+            for got, ref in zip(outs, want):  # the deltas add up to the engine's outputs
+                assert got.error is None and got.finished
+                c, r = got.outputs[0], ref.outputs[0]
+                assert (c.token_ids, c.text, c.finish_reason) == (r.token_ids, r.text,
+                                                                  r.finish_reason)
+                assert [list(d) for d in c.logprobs] == [list(d) for d in r.logprobs]
+                assert abs(c.cumulative_logprob - r.cumulative_logprob) < 1e-4
+            assert messages <= steps + 1, (n, messages, steps)
+            assert records <= n * steps
+    finally:
+        aengine.shutdown()
