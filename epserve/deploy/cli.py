@@ -85,6 +85,9 @@ def _parser() -> argparse.ArgumentParser:
                    help="the model name clients send (default: --model, or epserve-demo)")
     s.add_argument("--max-body-bytes", type=int, default=1 << 20,
                    help="largest request body accepted; larger ones get 413")
+    s.add_argument("--api-server-count", type=int, default=1,
+                   help="ingress replicas (tokenization, templates, SSE) in front of the one "
+                        "engine; as vLLM's option of the same name")
     s.add_argument("--body-read-timeout", type=float, default=None,
                    help="seconds a request body may take to arrive (then 408); default 30")
     return ap

@@ -48,7 +48,8 @@ def config_from_args(args: argparse.Namespace) -> AppConfig:
                      max_body_bytes=getattr(args, "max_body_bytes", None)
                      or DEFAULT_MAX_BODY_BYTES,
                      body_read_timeout_s=getattr(args, "body_read_timeout", None)
-                     or DEFAULT_BODY_READ_TIMEOUT_S)
+                     or DEFAULT_BODY_READ_TIMEOUT_S,
+                     num_replicas=getattr(args, "api_server_count", 1))
 
 
 def _check_port_free(host: str, port: int) -> None:
