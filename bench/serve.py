@@ -37,6 +37,7 @@ import importlib.util
 import json
 import math
 import os
+import shutil
 import sys
 import time
 from pathlib import Path
@@ -312,22 +313,18 @@ def _bench(args: argparse.Namespace) -> int:
             else resolve_model(args)
     else:
         folder, llm_model, model_flags = resolve_model(args)
-    work = Workload(args, folder)
-    offline = None
-    if not args.skip_offline:
-        load0 = os.getloadavg()[0]
-        offline = S.run_offline(llm_model, S.llm_kwargs(args), args.endpoint, work.make(0),
-                                work.warm(0, args.warmup_requests),
-                                work.make(S.SALT_PREFILL, max_tokens=1),
-                                args.offline_threads)
-        offline["loadavg"] = (load0, os.getloadavg()[0])
-        print(offline_line(offline), flush=True)
-    if args.url:
-        rows = run_http(args, work, base, key, model)
-    else:
-        with S.server(model_flags, S.server_flags(args), args.server_timeout) as (base, key):
-            model, _ = served_model(base, key)
+    try:
+        work = Workload(args, folder)
+        offline = None if args.skip_offline else _offline(args, work, llm_model)
+        if args.url:
             rows = run_http(args, work, base, key, model)
+        else:
+            with S.server(model_flags, S.server_flags(args), args.server_timeout) as (base, key):
+                model, _ = served_model(base, key)
+                rows = run_http(args, work, base, key, model)
+    finally:
+        if args.model_shape:  # the folder this run built (config + tokenizer, no weights)
+            shutil.rmtree(folder, ignore_errors=True)
     shape = f"{args.model_shape} ({args.layers} layers, dummy weights)" if args.model_shape \
         else model
     print(f"\nmodel {shape}; {args.endpoint}; {work.describe()}; greedy, EOS ignored; server "
@@ -341,6 +338,16 @@ def _bench(args: argparse.Namespace) -> int:
             for off_ms in [1e3 * offline["prefill_s"]]))
     print("\n".join(table(rows, offline)))
     return 0
+
+
+def _offline(args: argparse.Namespace, work: Workload, llm_model: str | None) -> dict[str, Any]:
+    load0 = os.getloadavg()[0]
+    offline = S.run_offline(llm_model, S.llm_kwargs(args), args.endpoint, work.make(0),
+                            work.warm(0, args.warmup_requests),
+                            work.make(S.SALT_PREFILL, max_tokens=1), args.offline_threads)
+    offline["loadavg"] = (load0, os.getloadavg()[0])
+    print(offline_line(offline), flush=True)
+    return offline
 
 
 if __name__ == "__main__":
