@@ -12,6 +12,7 @@ import os
 import threading
 from typing import Any
 
+from epserve.cluster.cpu_threads import set_engine_threads
 from epserve.cluster.engine_args import EngineArgs
 
 log = logging.getLogger("epserve.ep_worker")
@@ -38,6 +39,7 @@ class EpWorker:
         from epserve.worker.runner import Runner, resolve_device
 
         cfg = self.args.runner_config()
+        set_engine_threads(cfg.device)
         mc = ModelConfig.from_pretrained(cfg.model)
         ParallelInfo(self.rank, self.world_size).local_expert_range(mc.num_experts)
         group, cpu_group = join_ep_group(self.rank, self.world_size, addr, port,

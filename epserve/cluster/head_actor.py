@@ -23,6 +23,7 @@ import threading
 import time
 from typing import Any
 
+from epserve.cluster.cpu_threads import set_engine_threads
 from epserve.cluster.engine_args import EngineArgs, build_engine
 from epserve.head.async_engine import AsyncEngine, Outbox
 from epserve.head.output_stream import Submission, encode_records
@@ -42,6 +43,7 @@ class HeadActor:
     def __init__(self, engine_args: dict[str, Any], placement_group: Any = None,
                  step_deadline_s: float = 60.0):
         self.args = EngineArgs.from_dict(engine_args).resolved()
+        set_engine_threads(self.args.device)
         self.placement_group = placement_group
         self.step_deadline_s = step_deadline_s
         self.group = None
