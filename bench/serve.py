@@ -274,7 +274,8 @@ def offline_line(off: dict[str, Any] | None) -> str:
     return (f"offline LLM.generate ({off['threads']} torch threads): load "
             f"{off['load_s']:.1f} s, wall {off['wall_s']:.2f} s, "
             f"{off['out_tok_s']:.1f} out tok/s, prefill of the batch (max_tokens=1) "
-            f"{1e3 * off['prefill_s']:.1f} ms{bad} (machine load average "
+            f"{1e3 * off['prefill_s']:.1f} ms, mean decode step after it "
+            f"{1e3 * off['decode_step_s']:.2f} ms{bad} (machine load average "
             f"{off['loadavg'][0]:.1f} -> {off['loadavg'][1]:.1f})")
 
 
@@ -336,6 +337,10 @@ def _bench(args: argparse.Namespace) -> int:
             f"{s['load']} {s['ttft']['p50']:.1f} ms = {s['ttft']['p50'] / off_ms:.2f}x"
             for s in rows if s["mode"] == "stream" and s["ttft"]["p50"] is not None
             for off_ms in [1e3 * offline["prefill_s"]]))
+        print("ITL p50 against the offline mean decode step: " + "; ".join(
+            f"{s['load']} {s['itl']['p50']:.2f} ms = {s['itl']['p50'] / step_ms:.2f}x"
+            for s in rows if s["mode"] == "stream" and s["itl"]["p50"] is not None
+            for step_ms in [1e3 * offline["decode_step_s"]]))
     print("\n".join(table(rows, offline)))
     return 0
 

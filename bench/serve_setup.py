@@ -246,6 +246,8 @@ def run_offline(model: str | None, kwargs: dict[str, Any], endpoint: str, reqs: 
             torch.cuda.empty_cache()
         torch.set_num_threads(old_threads)
     bad = sum(g != r.max_tokens for g, r in zip(got, reqs))
-    return {"load_s": load_s, "wall_s": wall, "out_tokens": sum(got),
+    steps = max(1, max(got, default=1) - 1)  # decode steps after the batch's first token
+    return {"decode_step_s": max(0.0, wall - prefill_s) / steps,
+            "load_s": load_s, "wall_s": wall, "out_tokens": sum(got),
             "out_tok_s": sum(got) / wall, "prefill_s": prefill_s, "mismatches": bad,
             "threads": threads or old_threads}

@@ -42,6 +42,7 @@ class HeadActor:
 
     def __init__(self, engine_args: dict[str, Any], placement_group: Any = None,
                  step_deadline_s: float = 60.0):
+        logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
         self.args = EngineArgs.from_dict(engine_args).resolved()
         set_engine_threads(self.args.device)
         self.placement_group = placement_group

@@ -110,9 +110,11 @@ class _Add:
 class AsyncEngine:
     """Thread-backed engine loop with client outboxes and per-request streams."""
 
-    def __init__(self, engine: Engine, idle_wait_s: float = 0.05, recoverable: bool = False):
+    def __init__(self, engine: Engine, idle_wait_s: float = 0.05, recoverable: bool = False,
+                 log_every_s: float = 5.0):
         """``recoverable``: the owner replaces a broken engine (``resume``) or gives up
-        (``mark_dead``); otherwise a failed step ends every request at once."""
+        (``mark_dead``); otherwise a failed step ends every request at once. ``log_every_s``:
+        how often a stepping loop logs where its time goes."""
         self.engine = engine
         self._recoverable = recoverable
         self._inbox: deque[_Add | str] = deque()  # submissions, and request ids to abort
@@ -126,6 +128,7 @@ class AsyncEngine:
         self.failure: str | None = None  # why the last step broke the engine, if it did
         self.step_started_at: float | None = None
         self.steps = 0
+        self._times = _LoopTimes(log_every_s)
         self._snapshot = engine_snapshot(engine, None, 0)
         self._thread = self._start_thread()
 
@@ -149,7 +152,7 @@ class AsyncEngine:
                 self._idle()
                 continue
             try:
-                self.step_started_at = time.monotonic()
+                self.step_started_at = t0 = time.monotonic()
                 touched = self.engine.advance()
             except Exception as exc:  # the model broke: park until replaced or declared dead
                 log.exception("engine step failed")
@@ -162,8 +165,10 @@ class AsyncEngine:
             finally:
                 self.step_started_at = None
             self.steps += 1
+            t1 = time.monotonic()
             self._deliver(touched)
             self._publish()
+            self._times.add(t0, t1, time.monotonic(), self.engine)
         self._parked.set()
 
     def _idle(self) -> None:
@@ -316,6 +321,34 @@ class AsyncEngine:
     def snapshot(self) -> EngineSnapshot:
         """The counters as of the last step (never waits for the engine thread)."""
         return self._snapshot
+
+
+class _LoopTimes:
+    """Where the engine thread's time goes, logged every ``every_s`` while it steps: the
+    step itself, handing its outputs over, and the time outside both (the inbox, waiting)."""
+
+    def __init__(self, every_s: float):
+        self.every_s = every_s
+        self._reset(time.monotonic())
+
+    def _reset(self, now: float) -> None:
+        self.since, self.last_end, self.n = now, None, 0
+        self.step_s = self.deliver_s = self.outside_s = 0.0
+
+    def add(self, t0: float, t1: float, t2: float, engine: Engine) -> None:
+        if self.last_end is not None:
+            self.outside_s += t0 - self.last_end
+        self.n, self.step_s, self.deliver_s, self.last_end = \
+            self.n + 1, self.step_s + t1 - t0, self.deliver_s + t2 - t1, t2
+        if t2 - self.since < self.every_s:
+            return
+        ahead = getattr(engine.model, "lookahead", None)
+        hits = f"; decode lookahead {ahead.hits}/{ahead.launched} used" if ahead else ""
+        log.info("engine loop: %d steps in %.1f s; per step %.2f ms stepping, %.2f ms handing "
+                 "outputs over, %.2f ms between steps%s", self.n, t2 - self.since,
+                 1e3 * self.step_s / self.n, 1e3 * self.deliver_s / self.n,
+                 1e3 * self.outside_s / max(self.n - 1, 1), hits)
+        self._reset(t2)
 
 
 def _hand_over(items: list) -> None:

@@ -61,3 +61,23 @@ def test_one_message_per_step_whatever_the_requests_and_tokens(demo_model_dir):
             assert records <= n * steps
     finally:
         aengine.shutdown()
+
+
+def test_a_stepping_loop_logs_where_its_time_goes(demo_model_dir, caplog):
+    """The operator's view: every ``log_every_s`` a busy loop logs its steps, the time spent
+    stepping, handing outputs over and between steps."""
+    import logging
+    import re
+
+    llm = LLM(model=str(demo_model_dir), dtype="float32", seed=0)
+    aengine = AsyncEngine(llm.engine, log_every_s=0.0)
+    params = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True)
+    try:
+        with caplog.at_level(logging.INFO, logger="epserve.head.async_engine"):
+            asyncio.run(_serve(aengine, _prompts(3), params, llm.tokenizer))
+    finally:
+        aengine.shutdown()
+    lines = [r.getMessage() for r in caplog.records if "engine loop" in r.getMessage()]
+    assert lines, "no engine loop line logged"
+    assert re.fullmatch(r"engine loop: \d+ steps in [\d.]+ s; per step [\d.]+ ms stepping, "
+                        r"[\d.]+ ms handing outputs over, [\d.]+ ms between steps", lines[0])
