@@ -125,6 +125,7 @@ class HeadActor:
             "max_model_len": self.runner.max_model_len,
             "vocab_size": self.runner.model_config.vocab_size,
             "ep_size": self.args.ep_size,
+            "limits": dataclasses.asdict(self.args.request_limits()),
         }
 
     # The client channel: a client (an ingress replica, a remote LLM) submits requests in

@@ -25,6 +25,7 @@ from epserve.deploy.errors import ApiError
 from epserve.deploy.gate import AuthMiddleware, Gate, error_response
 from epserve.deploy.metrics import CONTENT_TYPE, ServerMetrics
 from epserve.deploy.serving import ModelInfo, OpenAIServing
+from epserve.head.limits import RequestLimits
 
 log = logging.getLogger(__name__)
 
@@ -119,7 +120,8 @@ async def connect(config: AppConfig) -> tuple[OpenAIServing, Gate]:
         if tokenizer is not None else (lambda t: "")
     info = ModelInfo(name=str(facts["served_model_name"]), path=str(facts["model"]),
                      max_model_len=int(facts["max_model_len"]),
-                     vocab_size=int(facts["vocab_size"]))
+                     vocab_size=int(facts["vocab_size"]),
+                     limits=RequestLimits(**facts["limits"]))
     serving = OpenAIServing(client, tokenizer, info, ServerMetrics(info.name))
     return serving, Gate(config.resolved_api_key(), config.max_body_bytes,
                          config.body_read_timeout_s)

@@ -16,6 +16,7 @@ from typing import Any, Literal, Union
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from epserve.deploy.errors import bad_request, from_value_error
+from epserve.head.limits import RequestLimits
 from epserve.head.sampling_params import SamplingParams
 
 #: Bounds beyond SamplingParams's own and the engine's: prompts per request, choices over
@@ -216,8 +217,9 @@ def validate(model: type[BaseModel], body: dict[str, Any]) -> Any:
 
 
 def sampling_kwargs(req: _SamplingRequest, *, max_tokens: int | None, logprobs: int | None,
-                    prompt_logprobs: int | None) -> dict[str, Any]:
-    """SamplingParams keywords for ``req`` (checked: a bad value is a 400 naming it)."""
+                    prompt_logprobs: int | None, limits: RequestLimits) -> dict[str, Any]:
+    """SamplingParams keywords for ``req`` (checked: a bad value, or one over the engine's
+    ``limits``, is a 400 naming it, before this side allocates anything per choice)."""
     kw: dict[str, Any] = dict(
         n=req.n, seed=req.seed, max_tokens=max_tokens, min_tokens=req.min_tokens,
         stop=req.stop, stop_token_ids=req.stop_token_ids, ignore_eos=req.ignore_eos,
@@ -231,7 +233,7 @@ def sampling_kwargs(req: _SamplingRequest, *, max_tokens: int | None, logprobs: 
     if isinstance(kw["stop"], list):
         kw["stop"] = list(kw["stop"])
     try:
-        SamplingParams(**kw)
+        limits.check(SamplingParams(**kw))
     except ValueError as exc:
         raise from_value_error(exc) from None
     return kw

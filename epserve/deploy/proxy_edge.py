@@ -106,6 +106,7 @@ def _patch_protocol(cls: type, timeout_s: float) -> None:
     made, received, lost = cls.connection_made, cls.data_received, cls.connection_lost
     cls.send_400_response  # AttributeError before anything is patched
     begin = getattr(cls, "on_message_begin", None)  # httptools only; h11 caps heads itself
+    on_url, on_header = getattr(cls, "on_url", None), getattr(cls, "on_header", None)
 
     def connection_made(self: Any, transport: Any) -> None:
         made(self, transport)
@@ -128,7 +129,19 @@ def _patch_protocol(cls: type, timeout_s: float) -> None:
 
     def on_message_begin(self: Any) -> None:
         self._epserve_head_began = True
+        self._epserve_head_parsed = 0
         begin(self)
+
+    # A head that arrives whole in one read is parsed inside that read, so the byte count
+    # above never sees it unfinished: the parser's own callbacks count it too. Raising here
+    # makes the parser fail the request, and uvicorn's 400 answer becomes the 431.
+    def counted_url(self: Any, url: bytes) -> None:
+        _count_head(self, len(url))
+        on_url(self, url)
+
+    def counted_header(self: Any, name: bytes, value: bytes) -> None:
+        _count_head(self, len(name) + len(value) + 4)
+        on_header(self, name, value)
 
     def connection_lost(self: Any, exc: Exception | None) -> None:
         _disarm(self)
@@ -139,13 +152,28 @@ def _patch_protocol(cls: type, timeout_s: float) -> None:
     cls.connection_lost = connection_lost
     if begin is not None:
         cls.on_message_begin = on_message_begin
+    if on_url is not None and on_header is not None:
+        cls.on_url, cls.on_header = counted_url, counted_header
+    cls._epserve_head_parsed, cls._epserve_head_too_large = 0, False
     cls._epserve_timeout_s = timeout_s
     cls._epserve_head_timer = cls._epserve_head_cycle = None
     cls._epserve_head_bytes, cls._epserve_head_began = 0, False
     cls._epserve_edge = True
 
 
+def _count_head(proto: Any, n: int) -> None:
+    proto._epserve_head_parsed += n
+    if proto._epserve_head_parsed > MAX_HEAD_BYTES:
+        proto._epserve_head_too_large = True
+        raise ValueError("request head too large")
+
+
 def _send_400_response(proto: Any, msg: str) -> None:
+    if proto._epserve_head_too_large:
+        _disarm(proto)
+        _write_error_and_close(proto, 431, f"the request line and headers are longer than "
+                               f"{MAX_HEAD_BYTES} bytes", "request_too_large")
+        return
     _write_error_and_close(proto, 400, f"the server could not parse the HTTP request: {msg}",
                            "invalid_http_request")
 

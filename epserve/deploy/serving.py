@@ -22,6 +22,7 @@ from epserve.deploy.metrics import ServerMetrics
 from epserve.deploy.protocol import (ChatCompletionRequest, CompletionRequest, DetokenizeRequest,
                                      TokenizeRequest, sampling_kwargs, validate)
 from epserve.deploy.stream import Delta, DeltaTracker, Fanout, Prompt, open_streams
+from epserve.head.limits import RequestLimits
 from epserve.head.outputs import RequestOutput
 
 log = logging.getLogger(__name__)
@@ -39,6 +40,7 @@ class ModelInfo:
     path: str
     max_model_len: int
     vocab_size: int
+    limits: RequestLimits  # the engine's per-request bounds, checked here first
 
 
 class OpenAIServing:
@@ -138,7 +140,7 @@ class OpenAIServing:
         if req.echo and req.logprobs is not None:
             prompt_lp = max(prompt_lp or 0, req.logprobs)
         kw = sampling_kwargs(req, max_tokens=max_tokens, logprobs=req.logprobs,
-                             prompt_logprobs=prompt_lp)
+                             prompt_logprobs=prompt_lp, limits=self.info.limits)
         head = R.Head.new("cmpl", "text_completion", self.info.name)
         fan = await open_streams(self.client, head.id, prompts, kw, "prompt", self.metrics, t0)
         if req.stream:
@@ -238,7 +240,7 @@ class OpenAIServing:
                             else "max_tokens")
         logprobs = (req.top_logprobs or 0) if req.logprobs else None
         kw = sampling_kwargs(req, max_tokens=max_tokens, logprobs=logprobs,
-                             prompt_logprobs=req.prompt_logprobs)
+                             prompt_logprobs=req.prompt_logprobs, limits=self.info.limits)
         head = R.Head.new("chatcmpl", "chat.completion", self.info.name)
         fan = await open_streams(self.client, head.id, [prompt], kw, "messages", self.metrics,
                                 t0)

@@ -227,6 +227,26 @@ def test_an_endless_head_is_431_and_the_connection_closed(server):
     assert _openai_error(431, payload)["code"] == "request_too_large"
 
 
+@pytest.mark.parametrize("head", [
+    b"GET /health HTTP/1.1\r\nHost: x\r\nX-Big: " + b"a" * (70 << 10) + b"\r\n\r\n",
+    b"GET /health HTTP/1.1\r\nHost: x\r\n"
+    + b"".join(b"X-H%d: %s\r\n" % (i, b"v" * 30) for i in range(2000)) + b"\r\n",
+    b"GET /health?" + b"q" * (70 << 10) + b" HTTP/1.1\r\nHost: x\r\n\r\n",
+], ids=["one-big-header", "2000-headers", "long-url"])
+def test_a_whole_oversized_head_in_one_write_is_431(server, head):
+    """The cap holds when the whole head arrives at once (parsed in one read) too."""
+    answer, _, closed = _raw(server, head)
+    status, headers, payload = _split(answer)
+    assert closed and status == 431 and headers["connection"] == "close", answer[:200]
+    assert _openai_error(431, payload)["code"] == "request_too_large"
+
+
+def test_a_large_head_under_the_cap_is_served(server):
+    answer, _, _ = _raw(server, b"GET /health HTTP/1.1\r\nHost: x\r\nConnection: close\r\n"
+                        b"X-Big: " + b"a" * (60 << 10) + b"\r\n\r\n")
+    assert _split(answer)[0] == 200, answer[:200]
+
+
 def _exchange(sock: socket.socket, request: bytes) -> int:
     """One request on an open keep-alive connection; the answer's status (body read)."""
     sock.sendall(request)

@@ -64,3 +64,40 @@ def test_a_request_at_the_limits_is_served(server, client):
                                     extra_body={"ignore_eos": True})
     assert len(out.choices) == 2
     assert all(c.finish_reason == "length" for c in out.choices)
+
+
+@pytest.mark.parametrize("route", ["completions", "chat"])
+def test_a_huge_n_is_refused_at_once_and_costs_nobody(server, client, route):
+    """n in the millions is refused before anything is built per choice: quickly, and
+    /health answers meanwhile as fast as ever."""
+    import threading
+    import time
+
+    import requests
+
+    health: list[float] = []
+    done = threading.Event()
+
+    def poll_health() -> None:
+        while not done.is_set():
+            t = time.perf_counter()
+            requests.get(f"{server.base}/health", timeout=30)
+            health.append(time.perf_counter() - t)
+
+    th = threading.Thread(target=poll_health)
+    th.start()
+    t0 = time.perf_counter()
+    try:
+        if route == "completions":
+            err = _refused(client.completions.create, model=server.model, prompt="Hi",
+                           max_tokens=2, n=4_000_000)
+        else:
+            err = _refused(client.chat.completions.create, model=server.model, messages=CHAT,
+                           max_tokens=2, n=4_000_000)
+        took = time.perf_counter() - t0
+    finally:
+        done.set()
+        th.join()
+    assert err.param == "n", err.body
+    assert took < 1.0, f"refused after {took:.2f} s"
+    assert max(health) < 1.0, f"/health took {max(health):.2f} s meanwhile"
