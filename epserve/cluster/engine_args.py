@@ -43,6 +43,9 @@ class EngineArgs:
     gpu_memory_utilization: float = 0.9
     enforce_eager: bool = False
     decode_lookahead: bool | None = None
+    # EP ranks: a collective (the command broadcast included) not done within this many
+    # seconds breaks the group; an idle leader sends an empty step every quarter of it
+    ep_timeout_s: float = 120.0
     # per-request bounds (head/limits.py): a request over one is refused naming its field
     max_n: int = RequestLimits.max_n
     max_stop_strings: int = RequestLimits.max_stop_strings
@@ -55,6 +58,9 @@ class EngineArgs:
             v = getattr(self, name)
             if isinstance(v, bool) or not isinstance(v, int) or v < 1:
                 raise ValueError(f"{name} must be a positive integer, got {v!r}")
+        t = self.ep_timeout_s
+        if isinstance(t, bool) or not isinstance(t, (int, float)) or not t > 0:
+            raise ValueError(f"ep_timeout_s must be a positive number of seconds, got {t!r}")
         g = self.gpu_memory_utilization
         if isinstance(g, bool) or not isinstance(g, (int, float)) or not 0 < g <= 1:
             raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {g!r}")

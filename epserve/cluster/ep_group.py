@@ -52,13 +52,14 @@ class EpGroup:
                 placement_group, placement_group_bundle_index=i)).remote(args.to_dict(), i, n)
             for i in range(1, n)]
         refs = [w.init.remote(addr, port) for w in self.workers]
-        group, cpu_group = join_ep_group(0, n, addr, port, device_type)
+        group, cpu_group = join_ep_group(0, n, addr, port, device_type, args.ep_timeout_s)
         comm = EpComm(0, n, mc.num_experts, group, cpu_group)
         runner = Runner(cfg, ParallelInfo(0, n, comm))
         ray.get(refs, timeout=init_timeout_s)
         for w in self.workers:
             w.start.remote()
-        self.leader = EpLeaderRunner(EpRank(runner, comm, 0, n), comm, n)
+        self.leader = EpLeaderRunner(EpRank(runner, comm, 0, n), comm, n,
+                                     keep_alive_s=args.ep_timeout_s / 4)
         self.world_size = n
 
     def alive(self, timeout_s: float = 2.0) -> str | None:

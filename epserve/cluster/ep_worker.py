@@ -43,7 +43,8 @@ class EpWorker:
         mc = ModelConfig.from_pretrained(cfg.model)
         ParallelInfo(self.rank, self.world_size).local_expert_range(mc.num_experts)
         group, cpu_group = join_ep_group(self.rank, self.world_size, addr, port,
-                                         resolve_device(cfg.device).type)
+                                         resolve_device(cfg.device).type,
+                                         self.args.ep_timeout_s)
         comm = EpComm(self.rank, self.world_size, mc.num_experts, group, cpu_group)
         runner = Runner(cfg, ParallelInfo(self.rank, self.world_size, comm))
         self.ep_rank = EpRank(runner, comm, self.rank, self.world_size)

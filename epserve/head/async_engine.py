@@ -23,7 +23,7 @@ import threading
 import time
 from collections import deque
 from dataclasses import dataclass, field
-from typing import AsyncIterator, Sequence
+from typing import Any, AsyncIterator, Callable, Sequence
 
 from epserve.head.engine import Engine
 from epserve.head.output_builder import build_output
@@ -149,27 +149,39 @@ class AsyncEngine:
             self._drain_inbox()
             if not self.engine.has_unfinished():
                 self._publish()
+                if self._guarded(self.engine.keep_alive) is _BROKEN:
+                    break
                 self._idle()
                 continue
-            try:
-                self.step_started_at = t0 = time.monotonic()
-                touched = self.engine.advance()
-            except Exception as exc:  # the model broke: park until replaced or declared dead
-                log.exception("engine step failed")
-                self.failure = f"the engine failed a step ({type(exc).__name__})"
-                if not self._recoverable:
-                    self.mark_dead(self.failure)
-                    break
-                self._suspended = self._suspended or self.failure
+            t0 = time.monotonic()
+            touched = self._guarded(self.engine.advance)
+            if touched is _BROKEN:
+                break
+            if touched is None:  # suspended: the owner replaces the model
                 continue
-            finally:
-                self.step_started_at = None
             self.steps += 1
             t1 = time.monotonic()
             self._deliver(touched)
             self._publish()
             self._times.add(t0, t1, time.monotonic(), self.engine)
         self._parked.set()
+
+    def _guarded(self, call: Callable[[], Any]) -> Any:
+        """``call()`` on the model; when it breaks: None (suspended, when ``recoverable``) or
+        ``_BROKEN`` (the engine is dead: the loop ends). The watchdog sees it as a step."""
+        self.step_started_at = time.monotonic()
+        try:
+            return call()
+        except Exception as exc:  # the model broke: park until replaced or declared dead
+            log.exception("engine step failed")
+            self.failure = f"the engine failed a step ({type(exc).__name__})"
+            if not self._recoverable:
+                self.mark_dead(self.failure)
+                return _BROKEN
+            self._suspended = self._suspended or self.failure
+            return None
+        finally:
+            self.step_started_at = None
 
     def _idle(self) -> None:
         self._wake.wait(self._idle_wait_s)
@@ -349,6 +361,9 @@ class _LoopTimes:
                  1e3 * self.step_s / self.n, 1e3 * self.deliver_s / self.n,
                  1e3 * self.outside_s / max(self.n - 1, 1), hits)
         self._reset(t2)
+
+
+_BROKEN = object()  # _guarded's answer when the engine died
 
 
 def _hand_over(items: list) -> None:

@@ -148,6 +148,10 @@ class Engine:
     def has_unfinished(self) -> bool:
         return self.scheduler.has_unfinished()
 
+    def keep_alive(self) -> None:
+        """Called while idle: lets an EP model keep its ranks' channel open."""
+        self.model.ep_keep_alive()
+
     # ------------------------------------------------------------------ a broken model
 
     def adopt(self, old: "Engine") -> None:

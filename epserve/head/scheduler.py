@@ -138,11 +138,11 @@ class Scheduler:
         target = seq.state.seq_len + n
         while not self.model.reserve_blocks(seq.state, target):
             need = -(-target // self.block_size) - len(seq.state.block_table)
-            if self.model.reclaim_prefix_blocks(need) > 0:
+            if self.model.reclaim_prefix_blocks(need, seq.state) > 0:
                 continue
-            victim = self._newest_on_rank(seq.state.rank)
+            victim = self._newest_sharing_kv(seq)
             if victim is seq and (len(seq.state.block_table) + need
-                                  > self.model.num_total_blocks(seq.state.rank)):
+                                  > self.model.num_total_blocks(seq.state)):
                 self._fail(seq, plan, f"the sequence needs {target} tokens of KV cache, more "
                                       f"than the whole pool holds")
                 return False
@@ -151,12 +151,13 @@ class Scheduler:
                 return False
         return True
 
-    def _newest_on_rank(self, rank: int) -> Sequence:
-        """Preempting a sequence frees blocks only in its own rank's pool (EP)."""
-        for seq in reversed(self.running):
-            if seq.state.rank == rank:
-                return seq
-        raise AssertionError("the sequence being reserved is running on its rank")
+    def _newest_sharing_kv(self, seq: Sequence) -> Sequence:
+        """The newest running sequence whose blocks come from ``seq``'s pool (preempting
+        another frees nothing ``seq`` can use); ``seq`` itself at the latest."""
+        for other in reversed(self.running):
+            if self.model.shares_kv_pool(seq.state, other.state):
+                return other
+        raise AssertionError("the sequence being reserved is not running")
 
     def _preempt(self, seq: Sequence, plan: StepPlan) -> None:
         self.running.remove(seq)
@@ -190,15 +191,15 @@ class Scheduler:
         cap = self.cfg.long_prefill_token_threshold
         if cap:
             n = min(n, cap)
-        bs, rank = self.block_size, state.rank
+        bs = self.block_size
         while not self.model.reserve_blocks(state, state.seq_len + n):
-            free = self.model.num_free_blocks(rank)
+            free = self.model.num_free_blocks(state)
             room = (len(state.block_table) + free) * bs - state.seq_len
             if 1 <= room < n:
                 n = room  # a smaller chunk fits now; the rest comes in later steps
                 continue
             short = -(-(state.seq_len + n) // bs) - len(state.block_table) - free
-            if self.model.reclaim_prefix_blocks(max(short, 1)) == 0:
+            if self.model.reclaim_prefix_blocks(max(short, 1), state) == 0:
                 return 0
         return n
 
@@ -206,18 +207,19 @@ class Scheduler:
         while self.waiting and budget > 0 and len(self.running) < self.cfg.max_num_seqs:
             seq = self.waiting[0]
             tokens = seq.all_tokens()
-            if -(-len(tokens) // self.block_size) > self.model.num_total_blocks(0):
+            if self.cfg.enable_prefix_caching and not seq.request.wants_prompt_logprobs:
+                # frees cached blocks other than the prompt's own prefix, in the pool the
+                # prompt will be placed in; what is still short shrinks the first chunk
+                self.model.reclaim_prefix_blocks_for(tokens, -1, -(-min(len(tokens), budget)
+                                                                  // self.block_size))
+            state = self.model.alloc_sequence_for(seq.request.max_budget, tokens)
+            if -(-len(tokens) // self.block_size) > self.model.num_total_blocks(state):
+                self.model.free_sequence(state)
                 self.waiting.popleft()
                 seq.status = SeqStatus.FINISHED
                 plan.failed.append((seq, f"the sequence needs {len(tokens)} tokens of KV "
                                          f"cache, more than the whole pool holds"))
                 continue
-            if self.cfg.enable_prefix_caching and not seq.request.wants_prompt_logprobs:
-                # frees cached blocks other than the prompt's own prefix (and, over EP, picks
-                # the rank); what is still short is handled by shrinking the first chunk
-                self.model.reclaim_prefix_blocks_for(tokens, -1, -(-min(len(tokens), budget)
-                                                                  // self.block_size))
-            state = self.model.alloc_sequence_for(seq.request.max_budget)
             if seq.request.wants_prompt_logprobs:
                 state.collect_prompt_logprobs = seq.request.params.prompt_logprobs
             state.prompt_len = len(seq.prompt_ids)

@@ -1,7 +1,7 @@
 """EpLeaderRunner: the Model traits over N EP ranks, from rank 0.
 
-Owns every rank's KV pool and slot list (the scheduler's allocations happen here), and turns
-each forward call into one ``StepCommand``: broadcast, run rank 0's rows, gather every rank's
+Keeps every rank's KV book (``worker.kv_book``: pools, slots, placement; the scheduler's
+allocations happen here), and turns each forward call into one ``StepCommand``: broadcast, run rank 0's rows, gather every rank's
 sampled tokens. Invariants: what travels is the difference between the scheduler's sequences
 and the mirror every rank holds (new sequences once, then new blocks, sampling changes,
 releases); a command every rank refuses because of one sequence costs only that sequence (the
@@ -13,15 +13,16 @@ must be re-formed).
 from __future__ import annotations
 
 import logging
+import time
 from typing import Any, Callable, Sequence
 
 from epserve.models.traits import (
     CapabilityAbsent, EpCommandFailed, ForwardDisclosure, MixedBatchResult, PrefillSlice,
-    PrefixReclaim, RankFailure, SampledToken, SequenceState,
+    RankFailure, SampledToken, SequenceState,
 )
 from epserve.worker.ep_rank import EpRank, wire_sampling
 from epserve.worker.ep_results import decode_result
-from epserve.worker.kv_pool import KVPool
+from epserve.worker.kv_book import KvBook, KvLifecycle
 from epserve.worker.protocol import (
     FEED_DEVICE, BlockUpdate, DecodeRows, NewSeq, PrefillRow, Release, SamplingUpdate,
     StepCommand, encode,
@@ -30,10 +31,10 @@ from epserve.worker.protocol import (
 log = logging.getLogger(__name__)
 
 
-class EpLeaderRunner:
+class EpLeaderRunner(KvLifecycle):
     """Rank 0 of an EP group, seen by the scheduler as one Model."""
 
-    def __init__(self, rank0: EpRank, comm: Any, world_size: int):
+    def __init__(self, rank0: EpRank, comm: Any, world_size: int, keep_alive_s: float = 30.0):
         self.rank0 = rank0
         self.runner = rank0.runner
         self.comm = comm
@@ -42,17 +43,16 @@ class EpLeaderRunner:
         self.model_config = r.model_config
         self.max_model_len = r.max_model_len
         self.block_size = r.block_size
-        self.pools = [KVPool(r.num_blocks, r.block_size, r.cfg.enable_prefix_caching)
-                      for _ in range(world_size)]
-        self.free_slots = [list(range(r.cfg.max_num_seqs - 1, -1, -1)) for _ in range(world_size)]
-        self.live: dict[tuple[int, int], SequenceState] = {}
+        self.book = KvBook(world_size, r.num_blocks, r.block_size, r.cfg.max_num_seqs,
+                           r.max_model_len, r.cfg.enable_prefix_caching)
         self.pending_releases: set[tuple[int, int]] = set()
         self.shipped_sampling: dict[tuple[int, int], Any] = {}
         self.shipped_blocks: dict[tuple[int, int], int] = {}
         self.last_token: dict[tuple[int, int], int] = {}
-        self._next_rank: int | None = None
         self._fault: Callable[[StepCommand, Any], StepCommand] | None = None
         self._shipment: _Shipment | None = None
+        self.keep_alive_s = keep_alive_s
+        self.last_round = time.monotonic()  # when the ranks last heard a command
 
     # ------------------------------------------------------------------ facts
 
@@ -88,6 +88,14 @@ class EpLeaderRunner:
     def ep_worker_step(self) -> bool:
         raise CapabilityAbsent("ep_worker_step runs on ranks above 0; this is the leader")
 
+    def ep_keep_alive(self) -> None:
+        """While no step runs, the ranks wait in the command broadcast, which times out
+        (``ep_timeout_s``) and would end them: every ``keep_alive_s`` of silence send a step
+        with no rows (every rank runs an empty forward and answers). ``RankFailure`` as for a
+        step."""
+        if time.monotonic() - self.last_round >= self.keep_alive_s:
+            self._issue((), (), ())
+
     def synchronize(self) -> None:
         self.runner.synchronize()
 
@@ -103,104 +111,15 @@ class EpLeaderRunner:
 
     # ------------------------------------------------------------------ lifecycle
 
-    def _pick_rank(self, prompt: Sequence[int] | None) -> int:
-        """The rank whose cache holds the longest prefix of ``prompt``; then the least loaded."""
-        load = [len(self.free_slots[r]) for r in range(self.world_size)]
-
-        def score(r: int) -> tuple:
-            hit = self.pools[r].peek_prefix(prompt, 0, max_tokens=len(prompt) - 1) if prompt else 0
-            return hit, load[r], self.pools[r].num_free_blocks(), -r
-
-        return max(range(self.world_size), key=score)
-
-    def alloc_sequence(self) -> SequenceState:
-        rank = self._next_rank if self._next_rank is not None else self._pick_rank(None)
-        self._next_rank = None
-        if not self.free_slots[rank]:
-            raise RuntimeError(f"no free sequence slot on rank {rank}")
-        slot = self.free_slots[rank].pop()
-        seq = SequenceState(slot_idx=slot, rank=rank)
-        self.live[(rank, slot)] = seq
-        return seq
-
-    def alloc_sequence_for(self, budget_tokens: int) -> SequenceState:
-        if budget_tokens > self.max_model_len:
-            raise ValueError(f"{budget_tokens} tokens exceed max_model_len={self.max_model_len}")
-        return self.alloc_sequence()
-
-    def match_prefix(self, seq: SequenceState, prompt: Sequence[int]) -> int:
-        if seq.prefix_lookup_applied:
-            return seq.cached_prefix_tokens
-        seq.prefix_lookup_applied = True
-        if seq.collect_prompt_logprobs is not None or len(prompt) < 2:
-            return 0
-        blocks = self.pools[seq.rank].match_prefix(prompt, seq.adapter_id,
-                                                   max_tokens=len(prompt) - 1)
-        n = len(blocks) * self.block_size
-        seq.block_table.extend(blocks)
-        seq.tokens.extend(prompt[:n])
-        seq.seq_len = seq.kv_valid_tokens = n
-        seq.cached_prefix_tokens = seq.reused_prefix_tokens = n
-        seq.cached_prefix_blocks = len(blocks)
-        return n
-
-    def reserve_blocks(self, seq: SequenceState, num_tokens: int) -> bool:
-        """Grow ``seq``'s table from its own rank's pool, reclaiming that pool's cache first."""
-        need = -(-num_tokens // self.block_size) - len(seq.block_table)
-        if need <= 0:
-            return True
-        pool = self.pools[seq.rank]
-        if need > pool.num_free_blocks():
-            pool.reclaim_prefix_blocks(need - pool.num_free_blocks())
-            if need > pool.num_free_blocks():
-                return False
-        seq.block_table.extend(pool.allocate(need))
-        return True
-
-    def cache_sequence(self, seq: SequenceState) -> None:
-        self.pools[seq.rank].cache_blocks(seq.tokens, seq.block_table, seq.seq_len, seq.adapter_id)
-
     def free_sequence(self, seq: SequenceState) -> None:
         key = (seq.rank, seq.slot_idx)
-        self.pools[seq.rank].free(seq.block_table)
-        seq.block_table.clear()
-        seq.seq_len = 0
-        if seq.slot_idx < 0:
+        if not self.book.free_sequence(seq):
             return
         if key in self.rank0.mirror.slots:  # the ranks know it: they must drop it
             self.pending_releases.add(key)
-        self.live.pop(key, None)
         self.shipped_sampling.pop(key, None)
         self.shipped_blocks.pop(key, None)
         self.last_token.pop(key, None)
-        self.free_slots[seq.rank].append(seq.slot_idx)
-        seq.slot_idx = -1
-
-    def num_free_blocks(self, rank: int | None = None) -> int:
-        if rank is not None:
-            return self.pools[rank].num_free_blocks()
-        return sum(p.num_free_blocks() for p in self.pools)
-
-    def num_total_blocks(self, rank: int | None = None) -> int:
-        if rank is not None:
-            return self.pools[rank].num_total_blocks()
-        return sum(p.num_total_blocks() for p in self.pools)
-
-    def kv_cache_usage(self) -> float:
-        """Blocks held by sequences over all ranks / all blocks."""
-        return sum(p.usage() for p in self.pools) / len(self.pools)
-
-    def reclaim_prefix_blocks(self, num_blocks: int) -> int:
-        # ``reserve_blocks`` already reclaimed from the pool that was short; evicting other
-        # ranks' caches would not help that sequence.
-        return 0
-
-    def reclaim_prefix_blocks_for(self, prompt: Sequence[int], adapter_slot: int,
-                                  blocks_needed: int) -> PrefixReclaim:
-        rank = self._pick_rank(prompt)
-        self._next_rank = rank
-        return self.pools[rank].reclaim_prefix_blocks_for(prompt, 0, blocks_needed,
-                                                          max_tokens=max(len(prompt) - 1, 0))
 
     # ------------------------------------------------------------------ the step
 
@@ -242,6 +161,7 @@ class EpLeaderRunner:
         if self._fault is not None:
             cmd, self._fault = self._fault(cmd, self.rank0.mirror), None
         frame = encode(cmd)
+        self.last_round = time.monotonic()
         try:
             self.comm.broadcast_bytes(frame, src=0)
         except Exception as exc:

@@ -1,6 +1,8 @@
 """The rank Runner: implements the Model traits on torch for one rank (CPU, or CUDA by choice).
 
-Owns the model weights, the paged KV cache tensors, the KV pool and the slot table. Invariants:
+Owns the model weights, the paged KV cache tensors and the device block tables; as the Model of
+one rank it also keeps its KV book (``worker.kv_book``: pool, slots, the lifecycle methods),
+whose new blocks it copies into the block tables. Invariants:
 a sequence's KV is written only through slots its block table holds; ``seq.seq_len`` counts
 positions whose KV is written and ``seq.tokens`` their ids; blocks are reserved by the
 scheduler (``reserve_blocks``) before a step, so a forward never allocates.
@@ -19,11 +21,11 @@ from epserve.models.loader import load_model
 from epserve.models.parallel import ParallelInfo
 from epserve.models.traits import (
     BeamReq, CapabilityAbsent, ForwardDisclosure, MixedBatchResult, MixedForwardResult,
-    PrefillSlice, PrefixReclaim, RowMask, SampledToken, SequenceState, ROW_MASK_NONE,
+    PrefillSlice, RowMask, SampledToken, SequenceState, ROW_MASK_NONE,
 )
 from epserve.worker.batch import BlockTables, StepInputs, StepRow, build_step_inputs
 from epserve.worker.cuda_graphs import DecodeGraphs
-from epserve.worker.kv_pool import KVPool
+from epserve.worker.kv_book import KvBook, KvLifecycle
 from epserve.worker.lookahead import DecodeLookahead
 from epserve.worker.runner_config import (  # noqa: F401 (re-exported)
     RunnerConfig, resolve_device, resolve_dtype,
@@ -33,7 +35,7 @@ from epserve.worker.warmup import warm_up_prefill
 
 log = logging.getLogger(__name__)
 
-class Runner:
+class Runner(KvLifecycle):
     """Implements ``models.traits.Model`` for one rank (EP over ranks comes on top of it)."""
 
     def __init__(self, cfg: RunnerConfig, parallel: ParallelInfo = ParallelInfo()):
@@ -61,9 +63,14 @@ class Runner:
         self.kv_caches = [(torch.zeros(shape, dtype=self.dtype, device=self.device),
                            torch.zeros(shape, dtype=self.dtype, device=self.device))
                           for _ in range(mc.num_layers)]
-        self.pool = KVPool(self.num_blocks, self.block_size, cfg.enable_prefix_caching)
         self.tables = BlockTables(cfg.max_num_seqs, -(-self.max_model_len // self.block_size))
-        self._free_slots = list(range(cfg.max_num_seqs - 1, -1, -1))
+        # one rank is its own Model and keeps its KV book; an EP rank's is the leader's
+        self.book: KvBook | None = None
+        if parallel.world_size == 1:
+            self.book = KvBook(1, self.num_blocks, self.block_size, cfg.max_num_seqs,
+                               self.max_model_len, cfg.enable_prefix_caching,
+                               on_blocks=self._blocks_gained)
+            self.pool = self.book.pools[0]  # its one pool (read by tests and stats)
         if self.device.type == "cuda" and parallel.world_size == 1 and cfg.warmup_tokens > 0:
             t0 = time.perf_counter()
             warm_up_prefill(self._forward, self.model.compute_logits, cfg.warmup_tokens,
@@ -81,6 +88,9 @@ class Runner:
             self.lookahead = DecodeLookahead(self._forward, self.graphs, self.tables,
                                              self.block_size, self.device, self.max_model_len,
                                              lambda seq, n: self.reserve_blocks(seq, n))
+
+    def _blocks_gained(self, seq: SequenceState, first: int, blocks: Sequence[int]) -> None:
+        self.tables.set_blocks(seq.slot_idx, first, blocks)
 
     def _forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
                  meta: AttentionMetadata) -> torch.Tensor:
@@ -123,78 +133,6 @@ class Runner:
         if self.device.type == "cuda":
             torch.cuda.set_device(self.device)
 
-    def alloc_sequence(self) -> SequenceState:
-        if not self._free_slots:
-            raise RuntimeError(f"no free sequence slot (max_num_seqs={self.cfg.max_num_seqs})")
-        return SequenceState(slot_idx=self._free_slots.pop())
-
-    def alloc_sequence_for(self, budget_tokens: int) -> SequenceState:
-        if budget_tokens > self.max_model_len:
-            raise ValueError(f"{budget_tokens} tokens exceed max_model_len={self.max_model_len}")
-        return self.alloc_sequence()
-
-    def match_prefix(self, seq: SequenceState, prompt: Sequence[int]) -> int:
-        """Take the cached full blocks of ``prompt``'s prefix; the last prompt token is always
-        recomputed (its logits are needed). Returns the tokens whose KV is reused."""
-        if seq.prefix_lookup_applied:
-            return seq.cached_prefix_tokens
-        seq.prefix_lookup_applied = True
-        if seq.collect_prompt_logprobs is not None or len(prompt) < 2:
-            return 0
-        blocks = self.pool.match_prefix(prompt, seq.adapter_id, max_tokens=len(prompt) - 1)
-        n = len(blocks) * self.block_size
-        self.tables.set_blocks(seq.slot_idx, 0, blocks)
-        seq.block_table.extend(blocks)
-        seq.tokens.extend(prompt[:n])
-        seq.seq_len = seq.kv_valid_tokens = n
-        seq.cached_prefix_tokens = seq.reused_prefix_tokens = n
-        seq.cached_prefix_blocks = len(blocks)
-        return n
-
-    def reserve_blocks(self, seq: SequenceState, num_tokens: int) -> bool:
-        """Grow the block table to cover ``num_tokens`` positions; False (nothing taken) when
-        the pool is short."""
-        need = -(-num_tokens // self.block_size) - len(seq.block_table)
-        if need <= 0:
-            return True
-        if need > self.pool.num_free_blocks():
-            return False
-        blocks = self.pool.allocate(need)
-        self.tables.set_blocks(seq.slot_idx, len(seq.block_table), blocks)
-        seq.block_table.extend(blocks)
-        return True
-
-    def cache_sequence(self, seq: SequenceState) -> None:
-        self.pool.cache_blocks(seq.tokens, seq.block_table, seq.seq_len, seq.adapter_id)
-
-    def free_sequence(self, seq: SequenceState) -> None:
-        self.pool.free(seq.block_table)
-        seq.block_table.clear()
-        seq.seq_len = 0
-        if seq.slot_idx >= 0:
-            self._free_slots.append(seq.slot_idx)
-            seq.slot_idx = -1
-
-    def num_free_blocks(self, rank: int | None = None) -> int:
-        """Free KV blocks (``rank`` is for EP runners: one rank's pool; ignored here)."""
-        return self.pool.num_free_blocks()
-
-    def num_total_blocks(self, rank: int | None = None) -> int:
-        return self.pool.num_total_blocks()
-
-    def kv_cache_usage(self) -> float:
-        """Blocks held by sequences / all blocks (cached free blocks count as free)."""
-        return self.pool.usage()
-
-    def reclaim_prefix_blocks(self, num_blocks: int) -> int:
-        return self.pool.reclaim_prefix_blocks(num_blocks)
-
-    def reclaim_prefix_blocks_for(self, prompt: Sequence[int], adapter_slot: int,
-                                  blocks_needed: int) -> PrefixReclaim:
-        # the last prompt token is always recomputed (match_prefix), so the same bound here
-        return self.pool.reclaim_prefix_blocks_for(prompt, 0, blocks_needed,
-                                                   max_tokens=max(len(prompt) - 1, 0))
-
     # ------------------------------------------------------------------ forward
 
     def kv_block_size(self) -> int | None:
@@ -217,6 +155,9 @@ class Runner:
 
     def ep_worker_step(self) -> bool:
         raise CapabilityAbsent("ep_worker_step: this runner is a single rank (ep_size=1)")
+
+    def ep_keep_alive(self) -> None:
+        """One rank waits on no collective: nothing to keep alive."""
 
     def synchronize(self) -> None:
         if self.device.type == "cuda":
