@@ -37,7 +37,7 @@ import torch
 import torch.distributed as dist
 
 from epserve.worker.ep_comm import EpComm
-from epserve.worker.protocol import (FEED_DEVICE, BlockUpdate, DecodeRow, NewSeq, Sampling,
+from epserve.worker.step_command import (FEED_DEVICE, BlockUpdate, DecodeRow, NewSeq, Sampling,
                                      StepCommand, decode, encode)
 
 NUM_SEQS, BLOCK_SIZE, PROMPT_LEN, VOCAB = 256, 16, 100, 151_936
@@ -51,9 +51,9 @@ def _pct(xs: list[float], q: float) -> float:
 def _make_mirror(world: int):
     """An EpMirror with the 256 sequences live (step 0 applied), or (None, why not)."""
     try:
-        from epserve.worker.ep_state import EpMirror
+        from epserve.worker.ep_mirror import EpMirror
     except ImportError as exc:
-        return None, f"validate not measured (no epserve.worker.ep_state: {exc})"
+        return None, f"validate not measured (no epserve.worker.ep_mirror: {exc})"
     known = dict(world_size=world, num_blocks=NUM_SEQS * 64, block_size=BLOCK_SIZE,
                  max_slots=NUM_SEQS, max_blocks_per_seq=64, vocab_size=VOCAB)
     try:

@@ -22,8 +22,8 @@ import numpy as np
 
 from epserve.models.traits import PromptTokenLogprob, SampledToken
 from epserve.worker import ep_results as R
-from epserve.worker import protocol as P
-from epserve.worker.protocol import (BlockUpdate, DecodeRow, NewSeq, PrefillRow, ProtocolError,
+from epserve.worker import step_command as P
+from epserve.worker.step_command import (BlockUpdate, DecodeRow, NewSeq, PrefillRow, ProtocolError,
                                      Release, Sampling, SamplingUpdate, StepCommand, WireLimits)
 
 ALLOWANCE = 256 << 10

@@ -10,8 +10,8 @@ from __future__ import annotations
 import dataclasses
 from typing import Callable
 
-from epserve.worker.ep_state import EpMirror
-from epserve.worker.protocol import BlockUpdate, DecodeRow, SamplingUpdate, StepCommand
+from epserve.worker.ep_mirror import EpMirror
+from epserve.worker.step_command import BlockUpdate, DecodeRow, SamplingUpdate, StepCommand
 
 KINDS = ("unknown_slot", "block_out_of_range", "bad_sampling")
 

@@ -23,7 +23,7 @@ from epserve.models.traits import (
 from epserve.worker.ep_rank import EpRank, wire_sampling
 from epserve.worker.ep_results import decode_result
 from epserve.worker.kv_book import KvBook, KvLifecycle
-from epserve.worker.protocol import (
+from epserve.worker.step_command import (
     FEED_DEVICE, BlockUpdate, DecodeRows, NewSeq, PrefillRow, Release, SamplingUpdate,
     StepCommand, encode,
 )

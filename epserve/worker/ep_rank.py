@@ -18,8 +18,8 @@ from epserve.kernels.attention import AttentionMetadata
 from epserve.models.traits import EpCommandFailed, RowSampling, SequenceState
 from epserve.worker.batch import StepInputs, StepRow, build_step_inputs
 from epserve.worker.ep_results import RankResult, encode_result
-from epserve.worker.ep_state import EpMirror
-from epserve.worker.protocol import (
+from epserve.worker.ep_mirror import EpMirror
+from epserve.worker.step_command import (
     FEED_DEVICE, KIND_SHUTDOWN, ProtocolError, Sampling, StepCommand, WireLimits, decode,
 )
 from epserve.worker.runner import Runner

@@ -20,7 +20,7 @@ import numpy as np
 
 from epserve.models.sampling_rules import MAX_LOGPROBS
 from epserve.models.traits import PromptTokenLogprob, SampledToken
-from epserve.worker.protocol import MAX_FRAME_BYTES, PROTOCOL_VERSION, ProtocolError, WireLimits
+from epserve.worker.step_command import MAX_FRAME_BYTES, PROTOCOL_VERSION, ProtocolError, WireLimits
 from epserve.worker.wire import (
     F64, I64, Table, TableSpec, decode_table, encode_table, pack_frame, read_fields,
 )

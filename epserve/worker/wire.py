@@ -1,6 +1,6 @@
 """Bounded msgpack framing shared by the EP codecs: a fixed top-level layout, id runs, row tables.
 
-Owns the decoding primitives of ``worker.protocol`` (step commands) and ``worker.ep_results``
+Owns the decoding primitives of ``worker.step_command`` (step commands) and ``worker.ep_results``
 (rank results). Invariants: a frame is read against its layout, never unpacked as a generic
 msgpack tree (the unpacker may build no array, map, str or ext with an element, so no container
 can grow where an int or bin belongs); every variable-size part travels as one ``bin`` of

@@ -12,7 +12,7 @@ from epserve.head.sampling_params import SamplingParams
 from epserve.models.sampling_rules import token_ids_problem
 from epserve.models.traits import EpCommandFailed
 from epserve.worker.ep_rank import wire_sampling
-from epserve.worker.ep_state import EpMirror, _Failer
+from epserve.worker.ep_mirror import EpMirror, _Failer
 
 VOCAB = 1000
 reals = st.one_of(st.floats(allow_nan=True, allow_infinity=True), st.integers(-3, 3),

@@ -18,7 +18,7 @@ import numpy as np
 
 from epserve.models.sampling_rules import MAX_LOGPROBS, row_sampling_problem
 from epserve.models.traits import EpCommandFailed
-from epserve.worker.protocol import (
+from epserve.worker.step_command import (
     FEED_DEVICE, KIND_SHUTDOWN, KIND_STEP, NewSeq, Sampling, StepCommand,
 )
 

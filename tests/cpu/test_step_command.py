@@ -2,7 +2,7 @@
 
 The fuzz tests count the frames they decode and assert what they promise (2,000 random byte
 strings, 7,200 mutated valid frames, 2,000 valid msgpack values of the wrong shape: 11,200),
-each decode bounded in time. Memory bounds of hostile frames: ``test_protocol_bounds``.
+each decode bounded in time. Memory bounds of hostile frames: ``test_step_command_bounds``.
 """
 
 from __future__ import annotations
@@ -18,8 +18,8 @@ import numpy as np
 import pytest
 from hypothesis import HealthCheck, given, settings, strategies as st
 
-from epserve.worker import protocol as P
-from epserve.worker.protocol import (BlockUpdate, DecodeRow, DecodeRows, Ints, NewSeq, PrefillRow,
+from epserve.worker import step_command as P
+from epserve.worker.step_command import (BlockUpdate, DecodeRow, DecodeRows, Ints, NewSeq, PrefillRow,
                                      ProtocolError, Release, Sampling, SamplingUpdate, StepCommand)
 from epserve.worker.wire import Table
 
@@ -165,7 +165,7 @@ def test_round_trip_examples():
 
 
 def test_decoded_rows_serve_their_consumers():
-    """What ep_state, ep_rank, ep_leader and cluster.faults do with a command's rows works the
+    """What ep_mirror, ep_rank, ep_leader and cluster.faults do with a command's rows works the
     same on a decoded command as on the tuples the leader built."""
     s = Sampling(0.5, 1.0, 0, 0.0, 3, (7, 8), -1)
     built = StepCommand(step_id=3, new_seqs=(NewSeq(0, 1, 0, 4, 2, s),),

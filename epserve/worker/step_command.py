@@ -9,7 +9,7 @@ banned ids), one bin of int32 ids; a frame above ``MAX_FRAME_BYTES`` is refused 
 the decoder turns any malformed bytes into ``ProtocolError`` and nothing else, and costs at
 most about 3x the frame's size in memory (rows are built when read). Semantic checks (known
 slots, block ranges, sampling values) are not here: they need the ranks' state
-(``worker.ep_state``); ``WireLimits`` only caps sizes no correct leader exceeds.
+(``worker.ep_mirror``); ``WireLimits`` only caps sizes no correct leader exceeds.
 
 After a sequence's first appearance (``NewSeq``) only what changed travels: chunk tokens,
 decode feeds (a token id, or ``FEED_DEVICE``: the token this rank sampled for the slot last

@@ -22,8 +22,8 @@ from hypothesis import HealthCheck, given, settings, strategies as st
 
 from epserve.models.traits import PromptTokenLogprob, SampledToken
 from epserve.worker import ep_results as R
-from epserve.worker import protocol as P
-from epserve.worker.protocol import (BlockUpdate, DecodeRow, NewSeq, PrefillRow, ProtocolError,
+from epserve.worker import step_command as P
+from epserve.worker.step_command import (BlockUpdate, DecodeRow, NewSeq, PrefillRow, ProtocolError,
                                      Release, Sampling, StepCommand, WireLimits)
 
 FAST = settings(deadline=None, suppress_health_check=list(HealthCheck), database=None)
