@@ -78,18 +78,90 @@ def test_row_mask_none_is_u32_max():
     assert mask[0] == 0xFFFFFFFF
 
 
-def test_types_exist_with_seed_names():
-    for name in ("SequenceState", "PrefillSlice", "MixedBatchResult", "MixedForwardResult",
-                 "BeamReq", "PromptTokenLogprob", "ChunkedPrefillPageMetadata",
-                 "VerifyBatchedOpts", "PrefixReclaim", "ForwardDisclosure", "EpCommandFailed",
-                 "FeedSource", "ForwardSelect", "Model", "ModelForward", "ModelLifecycle",
-                 "ModelLogits", "ModelVerify", "ModelDraft", "ModelAdapters", "ModelSsmState",
-                 "ModelEp", "ModelStreams", "ModelDeviceFeed", "ModelCircuit", "ModelVision"):
-        assert hasattr(T, name), name
+SEED_FIELDS = {
+    "PrefillSlice": ["prompt_tokens", "seq", "chunk_start", "chunk_len", "is_last_chunk"],
+    "MixedBatchResult": ["decode", "prefill", "decode_logits", "prefill_logits", "failed"],
+    "MixedForwardResult": ["decode", "prefill", "decode_logits", "prefill_logits"],
+    "PrefixReclaim": ["target", "free"],
+    "BeamReq": ["tokens", "max_new_tokens", "num_beams", "length_penalty", "early_stopping",
+                "src_lang_id", "tgt_lang_id"],
+    "VerifyBatchedOpts": ["write_on_accept"],
+}
+
+
+@pytest.mark.parametrize("name", sorted(SEED_FIELDS))
+def test_seed_records_have_the_seed_fields_in_order(name):
+    import dataclasses
+
+    assert [f.name for f in dataclasses.fields(getattr(T, name))] == SEED_FIELDS[name]
+
+
+def test_sequence_state_has_every_field_the_scheduler_and_runner_use():
+    import dataclasses
+
+    names = {f.name for f in dataclasses.fields(T.SequenceState)}
+    assert {"tokens", "block_table", "seq_len", "slot_idx", "rank", "cached_prefix_tokens",
+            "cached_prefix_blocks", "reused_prefix_tokens", "prefix_lookup_applied",
+            "kv_valid_tokens", "prompt_len", "collect_prompt_logprobs", "prompt_logprobs",
+            "sampling", "output_index", "adapter_id"} <= names
+
+
+def test_seed_enums_have_the_seed_members():
+    assert [m.name for m in T.FeedSource] == ["HOST", "DEVICE"]
+    assert [m.name for m in T.ForwardSelect] == ["LEGACY", "CIRCUIT"]
+
+
+SUPERTRAITS = ("ModelForward", "ModelLifecycle", "ModelLogits", "ModelEp", "ModelStreams")
+
+
+def test_model_is_every_required_supertrait_and_the_optional_ones_are_protocols():
+    for name in SUPERTRAITS:
+        assert getattr(T, name) in T.Model.__mro__, name
+    for name in ("ModelVerify", "ModelDraft", "ModelAdapters", "ModelSsmState",
+                 "ModelDeviceFeed", "ModelCircuit", "ModelVision"):
+        trait = getattr(T, name)
+        assert getattr(trait, "_is_protocol", False) and trait not in T.Model.__mro__, name
+
+
+def test_a_class_missing_one_trait_method_is_not_a_model(demo_model_dir):
+    from epserve import LLM
+
+    runner = LLM(model=str(demo_model_dir), dtype="float32").runner
+    assert isinstance(runner, T.Model)
+    for name in SUPERTRAITS:
+        assert isinstance(runner, getattr(T, name)), name
+
+    class Partial:  # every Model method but one, borrowed from the real runner
+        pass
+
+    methods = {m for m in dir(T.Model) if not m.startswith("_") and callable(getattr(T.Model, m))}
+    for m in methods - {"reserve_blocks"}:
+        setattr(Partial, m, getattr(type(runner), m))
+    assert not isinstance(Partial(), T.Model)
+
+
+def test_ep_command_failed_says_its_step_and_rows():
     err = T.EpCommandFailed(7, "unknown sequence (0, 3)", bad_rows=[(0, 3)])
     assert isinstance(err, Exception) and err.step_id == 7 and "step 7" in str(err)
     assert err.bad_rows == ((0, 3),)
-    assert T.PrefixReclaim(target=4, free=2).free < 4
+
+
+def test_prefix_reclaim_reports_short_when_nothing_more_is_evictable():
+    """free < target exactly when the pool could not evict enough (the seed's meaning)."""
+    from epserve.worker.kv_pool import KVPool
+
+    pool = KVPool(6, 4)
+    table = pool.allocate(3)
+    pool.cache_blocks(list(range(12)), table, 12, 0)
+    pool.free(table)  # 3 cached free blocks, 3 plain free
+    held = pool.allocate(3)  # the plain free ones are taken: only cached blocks remain
+    got = pool.reclaim_prefix_blocks_for([100, 101, 102, 103, 104], 0, 2, max_tokens=4)
+    assert got.target == 2 and got.free >= got.target
+    pool.free(held)
+    pool2 = KVPool(4, 4)
+    pool2.allocate(4)
+    short = pool2.reclaim_prefix_blocks_for([1, 2, 3], 0, 2, max_tokens=2)
+    assert short.target == 2 and short.free == 0
 
 
 def test_sequence_state_is_independent_per_instance():
