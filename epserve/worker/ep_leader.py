@@ -22,6 +22,7 @@ from epserve.models.traits import (
 )
 from epserve.worker.ep_rank import EpRank, wire_sampling
 from epserve.worker.ep_results import decode_result
+from epserve.worker.forward_forms import ForwardForms
 from epserve.worker.kv_book import KvBook, KvLifecycle
 from epserve.worker.step_command import (
     FEED_DEVICE, BlockUpdate, DecodeRows, NewSeq, PrefillRow, Release, SamplingUpdate,
@@ -31,7 +32,7 @@ from epserve.worker.step_command import (
 log = logging.getLogger(__name__)
 
 
-class EpLeaderRunner(KvLifecycle):
+class EpLeaderRunner(ForwardForms, KvLifecycle):
     """Rank 0 of an EP group, seen by the scheduler as one Model."""
 
     def __init__(self, rank0: EpRank, comm: Any, world_size: int, keep_alive_s: float = 30.0):

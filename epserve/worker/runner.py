@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import logging
 import time
-from typing import Any, Sequence
+from typing import Sequence
 
 import torch
 
@@ -20,11 +20,12 @@ from epserve.kernels.attention import AttentionMetadata
 from epserve.models.loader import load_model
 from epserve.models.parallel import ParallelInfo
 from epserve.models.traits import (
-    BeamReq, CapabilityAbsent, ForwardDisclosure, MixedBatchResult, MixedForwardResult,
-    PrefillSlice, RowMask, SampledToken, SequenceState, ROW_MASK_NONE,
+    BeamReq, CapabilityAbsent, ForwardDisclosure, MixedBatchResult, PrefillSlice,
+    SampledToken, SequenceState,
 )
 from epserve.worker.batch import BlockTables, StepInputs, StepRow, build_step_inputs
 from epserve.worker.cuda_graphs import DecodeGraphs
+from epserve.worker.forward_forms import ForwardForms
 from epserve.worker.kv_book import KvBook, KvLifecycle
 from epserve.worker.lookahead import DecodeLookahead
 from epserve.worker.runner_config import (  # noqa: F401 (re-exported)
@@ -35,7 +36,7 @@ from epserve.worker.warmup import warm_up_prefill
 
 log = logging.getLogger(__name__)
 
-class Runner(KvLifecycle):
+class Runner(ForwardForms, KvLifecycle):
     """Implements ``models.traits.Model`` for one rank (EP over ranks comes on top of it)."""
 
     def __init__(self, cfg: RunnerConfig, parallel: ParallelInfo = ParallelInfo()):
@@ -272,51 +273,7 @@ class Runner(KvLifecycle):
             row.seq.prompt_logprobs.extend(
                 prompt_logprobs_rows(logits, targets, row.seq.collect_prompt_logprobs or 0))
 
-    # seed-shaped conveniences over mixed_forward_batch
-
-    def prefill(self, tokens: Sequence[int], seq: SequenceState) -> SampledToken:
-        out = self.prefill_chunk(tokens, seq, seq.seq_len, len(tokens) - seq.seq_len, True)
-        assert out is not None
-        return out
-
-    def prefill_chunk(self, tokens: Sequence[int], seq: SequenceState, chunk_start: int,
-                      chunk_len: int, is_last_chunk: bool) -> SampledToken | None:
-        sl = PrefillSlice(tokens, seq, chunk_start, chunk_len, is_last_chunk)
-        return self.mixed_forward_batch((), (), [sl]).prefill[0]
-
-    def decode(self, token: int, seq: SequenceState) -> SampledToken:
-        return self.decode_batch([token], [seq])[0]
-
-    def decode_batch(self, tokens: Sequence[int],
-                     seqs: Sequence[SequenceState]) -> tuple[SampledToken, ...]:
-        return self.mixed_forward_batch(tokens, seqs, ()).decode
-
-    def mixed_forward(self, decode_tokens: Sequence[int], decode_seqs: Sequence[SequenceState],
-                      prefill_tokens: Sequence[int], prefill_seq: SequenceState,
-                      prefill_chunk_start: int, prefill_chunk_len: int,
-                      prefill_is_last: bool) -> MixedForwardResult:
-        sl = PrefillSlice(prefill_tokens, prefill_seq, prefill_chunk_start, prefill_chunk_len,
-                          prefill_is_last)
-        res = self.mixed_forward_batch(decode_tokens, decode_seqs, [sl])
-        return MixedForwardResult(decode=res.decode, prefill=res.prefill[0],
-                                  decode_logits=res.decode_logits,
-                                  prefill_logits=res.prefill_logits)
-
-    def prefill_batch_chunk(self, slices: Sequence[PrefillSlice]) -> tuple[SampledToken | None, ...]:
-        return self.mixed_forward_batch((), (), slices).prefill
-
     # ------------------------------------------------------------------ logits
 
     def vocab_size(self) -> int:
         return self.model_config.vocab_size
-
-    def argmax_batch(self, logits: Any) -> list[int]:
-        return [int(i) for i in torch.argmax(logits, dim=-1).tolist()]
-
-    def argmax_batch_masked(self, logits: Any, masks: Sequence[RowMask]) -> list[int]:
-        masked = logits.clone()
-        for r, mask in enumerate(masks):
-            for tok in mask:
-                if tok != ROW_MASK_NONE and 0 <= tok < masked.shape[-1]:
-                    masked[r, tok] = float("-inf")
-        return self.argmax_batch(masked)
