@@ -36,8 +36,9 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
+from epserve.models.traits import RowSampling
 from epserve.worker.ep_comm import EpComm
-from epserve.worker.step_command import (FEED_DEVICE, BlockUpdate, DecodeRow, NewSeq, Sampling,
+from epserve.worker.step_command import (FEED_DEVICE, BlockUpdate, DecodeRow, NewSeq,
                                      StepCommand, decode, encode)
 
 NUM_SEQS, BLOCK_SIZE, PROMPT_LEN, VOCAB = 256, 16, 100, 151_936
@@ -59,7 +60,7 @@ def _make_mirror(world: int):
     try:
         params = inspect.signature(EpMirror).parameters
         mirror = EpMirror(**{k: known[k] for k in params})
-        samp = Sampling(0.7, 0.95, 50, 0.0, 1234, (), -1)
+        samp = RowSampling(0.7, 0.95, 50, 0.0, 1234, (), None)
         seqs = [(i % world, i // world) for i in range(NUM_SEQS)]
         first = StepCommand(
             step_id=0, new_seqs=tuple(NewSeq(r, s, PROMPT_LEN, PROMPT_LEN, -1, samp)

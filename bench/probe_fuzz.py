@@ -20,19 +20,20 @@ from itertools import islice
 import msgpack
 import numpy as np
 
-from epserve.models.traits import PromptTokenLogprob, SampledToken
+from epserve.models.traits import PromptTokenLogprob, RowSampling, SampledToken
 from epserve.worker import ep_results as R
 from epserve.worker import step_command as P
 from epserve.worker.step_command import (BlockUpdate, DecodeRow, NewSeq, PrefillRow, ProtocolError,
-                                     Release, Sampling, SamplingUpdate, StepCommand, WireLimits)
+                                     Release, SamplingUpdate, StepCommand, WireLimits)
 
 ALLOWANCE = 256 << 10
 LIMITS = WireLimits(world_size=2, max_slots=64, max_blocks_per_seq=256, max_step_tokens=2048)
 
 
 def _command(rng: random.Random, rows: int) -> StepCommand:
-    s = Sampling(rng.random(), 1.0, rng.randrange(50), 0.0, rng.randrange(2**64),
-                 tuple(rng.randrange(2048) for _ in range(rng.randrange(4))), rng.randrange(-1, 21))
+    s = RowSampling(rng.random(), 1.0, rng.randrange(50), 0.0, rng.randrange(2**64),
+                    tuple(rng.randrange(2048) for _ in range(rng.randrange(4))),
+                    rng.choice([None, *range(21)]))
     return StepCommand(
         step_id=rng.randrange(2**40), releases=tuple(Release(0, i) for i in range(rows % 5)),
         new_seqs=tuple(NewSeq(i % 2, i, 0, 9, -1, s) for i in range(rows)),

@@ -20,7 +20,7 @@ from epserve.models.traits import (
     CapabilityAbsent, EpCommandFailed, ForwardDisclosure, MixedBatchResult, PrefillSlice,
     RankFailure, SampledToken, SequenceState,
 )
-from epserve.worker.ep_rank import EpRank, wire_sampling
+from epserve.worker.ep_rank import EpRank
 from epserve.worker.ep_results import decode_result
 from epserve.worker.forward_forms import ForwardForms
 from epserve.worker.kv_book import KvBook, KvLifecycle
@@ -287,12 +287,12 @@ class _Shipment:
             self.new.append(NewSeq(seq.rank, seq.slot_idx, seq.seq_len, max(seq.prompt_len, 1),
                                    -1 if seq.collect_prompt_logprobs is None
                                    else seq.collect_prompt_logprobs,
-                                   wire_sampling(seq.sampling)))
+                                   seq.sampling))
             self.sampling_sent[key] = seq.sampling
             shipped = 0
         elif leader.shipped_sampling.get(key) is not seq.sampling:
             self.sampling.append(SamplingUpdate(seq.rank, seq.slot_idx,
-                                                wire_sampling(seq.sampling)))
+                                                seq.sampling))
             self.sampling_sent[key] = seq.sampling
         n = len(seq.block_table)
         if n > shipped or shipped == 0:

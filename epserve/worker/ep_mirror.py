@@ -17,9 +17,9 @@ from dataclasses import dataclass
 import numpy as np
 
 from epserve.models.sampling_rules import MAX_LOGPROBS, row_sampling_problem
-from epserve.models.traits import EpCommandFailed
+from epserve.models.traits import EpCommandFailed, RowSampling
 from epserve.worker.step_command import (
-    FEED_DEVICE, KIND_SHUTDOWN, KIND_STEP, NewSeq, Sampling, StepCommand,
+    FEED_DEVICE, KIND_SHUTDOWN, KIND_STEP, NewSeq, StepCommand,
 )
 
 
@@ -30,7 +30,7 @@ class SlotInfo:
 
     prompt_len: int
     prompt_logprobs: int
-    sampling: Sampling
+    sampling: RowSampling
 
 
 class EpMirror:
@@ -103,10 +103,9 @@ class EpMirror:
             fail(f"new sequence {key}: prompt_logprobs {n.prompt_logprobs}", key)
         self._check_sampling(n.sampling, fail, key)
 
-    def _check_sampling(self, s: Sampling, fail: "_Failer", key: tuple[int, int]) -> None:
+    def _check_sampling(self, s: RowSampling, fail: "_Failer", key: tuple[int, int]) -> None:
         found = row_sampling_problem(s.temperature, s.top_p, s.top_k, s.min_p, s.seed,
-                                     None if s.logprobs == -1 else s.logprobs, s.banned,
-                                     self.vocab_size)
+                                     s.logprobs, s.banned_token_ids, self.vocab_size)
         if found is not None:
             fail(f"sampling of {key}: {found[0]} {found[1]}", key)
 

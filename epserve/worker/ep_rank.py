@@ -15,28 +15,16 @@ from typing import Any
 import torch
 
 from epserve.kernels.attention import AttentionMetadata
-from epserve.models.traits import EpCommandFailed, RowSampling, SequenceState
+from epserve.models.traits import EpCommandFailed, SequenceState
 from epserve.worker.batch import StepInputs, StepRow, build_step_inputs
 from epserve.worker.ep_results import RankResult, encode_result
 from epserve.worker.ep_mirror import EpMirror
 from epserve.worker.step_command import (
-    FEED_DEVICE, KIND_SHUTDOWN, ProtocolError, Sampling, StepCommand, WireLimits, decode,
+    FEED_DEVICE, KIND_SHUTDOWN, ProtocolError, StepCommand, WireLimits, decode,
 )
 from epserve.worker.runner import Runner
 
 log = logging.getLogger(__name__)
-
-
-def row_sampling(s: Sampling) -> RowSampling:
-    return RowSampling(temperature=s.temperature, top_p=s.top_p, top_k=s.top_k, min_p=s.min_p,
-                       seed=s.seed, banned_token_ids=s.banned,
-                       logprobs=None if s.logprobs < 0 else s.logprobs)
-
-
-def wire_sampling(s: RowSampling) -> Sampling:
-    return Sampling(float(s.temperature), float(s.top_p), int(s.top_k), float(s.min_p),
-                    int(s.seed), tuple(s.banned_token_ids),
-                    -1 if s.logprobs is None else int(s.logprobs))
 
 
 class EpRank:
@@ -94,10 +82,10 @@ class EpRank:
                 self.local[n.slot] = SequenceState(
                     slot_idx=n.slot, rank=n.rank, seq_len=n.seq_len, prompt_len=n.prompt_len,
                     collect_prompt_logprobs=None if n.prompt_logprobs < 0 else n.prompt_logprobs,
-                    sampling=row_sampling(n.sampling))
+                    sampling=n.sampling)
         for u in cmd.sampling_updates:
             if u.rank == self.rank:
-                self.local[u.slot].sampling = row_sampling(u.sampling)
+                self.local[u.slot].sampling = u.sampling
         for b in cmd.block_updates:
             if b.rank == self.rank:
                 tables.set_blocks(b.slot, b.first, b.blocks)

@@ -23,6 +23,8 @@ from typing import Sequence
 
 import numpy as np
 
+from epserve.models.traits import RowSampling
+
 # ProtocolError and Ints belong to the wire; ranks and the leader import them from here.
 from epserve.worker.wire import (
     F64, I64, U64, Ints, ProtocolError, TableSpec, decode_table, encode_table, ids_spec,
@@ -55,20 +57,6 @@ class WireLimits:
 
 
 @dataclass(frozen=True, slots=True)
-class Sampling:
-    """A row's sampling on the wire (``models.traits.RowSampling``'s fields; logprobs -1=None).
-    ``banned``: a tuple when built by the leader, ``Ints`` when decoded (equal either way)."""
-
-    temperature: float
-    top_p: float
-    top_k: int
-    min_p: float
-    seed: int
-    banned: Sequence[int]
-    logprobs: int
-
-
-@dataclass(frozen=True, slots=True)
 class NewSeq:
     """A sequence's first appearance on ``rank`` in ``slot``: its whole state once.
 
@@ -80,14 +68,14 @@ class NewSeq:
     seq_len: int
     prompt_len: int
     prompt_logprobs: int
-    sampling: Sampling
+    sampling: RowSampling
 
 
 @dataclass(frozen=True, slots=True)
 class SamplingUpdate:
     rank: int
     slot: int
-    sampling: Sampling
+    sampling: RowSampling
 
 
 @dataclass(frozen=True, slots=True)
@@ -217,12 +205,16 @@ _SAMPLING = [("temperature", F64), ("top_p", F64), ("top_k", I64), ("min_p", F64
 _SAMPLING_KINDS = "ffifii"
 
 
-def _samp(s: Sampling) -> tuple:
-    return s.temperature, s.top_p, s.top_k, s.min_p, s.seed, s.logprobs
+def _samp(s: RowSampling) -> tuple:
+    """A row's ``RowSampling`` as wire fields (``logprobs`` None travels as -1; its
+    ``banned_token_ids`` beside, as ids)."""
+    return (s.temperature, s.top_p, s.top_k, s.min_p, s.seed,
+            -1 if s.logprobs is None else s.logprobs)
 
 
-def _sampling(v: tuple, banned: Ints) -> Sampling:
-    return Sampling(v[0], v[1], v[2], v[3], v[4], banned, v[5])
+def _sampling(v: tuple, banned: Ints) -> RowSampling:
+    """``banned`` stays ``Ints`` (equal to the tuple the leader sent)."""
+    return RowSampling(v[0], v[1], v[2], v[3], v[4], banned, None if v[5] == -1 else v[5])
 
 
 RELEASES = TableSpec("releases", np.dtype([("rank", I64), ("slot", I64)]),
@@ -231,10 +223,10 @@ NEW_SEQS = ids_spec(
     "new_seqs", [("rank", I64), ("slot", I64), ("seq_len", I64), ("prompt_len", I64),
                  ("prompt_logprobs", I64)] + _SAMPLING, "iiiii" + _SAMPLING_KINDS,
     lambda n: (n.rank, n.slot, n.seq_len, n.prompt_len, n.prompt_logprobs, *_samp(n.sampling)),
-    lambda n: n.sampling.banned, lambda v, b: NewSeq(*v[:5], _sampling(v[5:], b)))
+    lambda n: n.sampling.banned_token_ids, lambda v, b: NewSeq(*v[:5], _sampling(v[5:], b)))
 SAMPLING_UPDATES = ids_spec(
     "sampling_updates", [("rank", I64), ("slot", I64)] + _SAMPLING, "ii" + _SAMPLING_KINDS,
-    lambda u: (u.rank, u.slot, *_samp(u.sampling)), lambda u: u.sampling.banned,
+    lambda u: (u.rank, u.slot, *_samp(u.sampling)), lambda u: u.sampling.banned_token_ids,
     lambda v, b: SamplingUpdate(v[0], v[1], _sampling(v[2:], b)))
 BLOCK_UPDATES = ids_spec(
     "block_updates", [("rank", I64), ("slot", I64), ("first", I64)], "iii",

@@ -11,7 +11,6 @@ from hypothesis import strategies as st
 from epserve.head.sampling_params import SamplingParams
 from epserve.models.sampling_rules import token_ids_problem
 from epserve.models.traits import EpCommandFailed
-from epserve.worker.ep_rank import wire_sampling
 from epserve.worker.ep_mirror import EpMirror, _Failer
 
 VOCAB = 1000
@@ -26,7 +25,7 @@ def _mirror() -> EpMirror:
 
 def _rank_verdict(sp: SamplingParams, seed: int) -> None:
     banned = tuple(sorted(set(sp.stop_token_ids)))  # what min_tokens bans first
-    _mirror()._check_sampling(wire_sampling(sp.to_row_sampling(seed, banned)), _Failer(0),
+    _mirror()._check_sampling(sp.to_row_sampling(seed, banned), _Failer(0),
                               (1, 2))
 
 
@@ -56,7 +55,7 @@ def test_top_k_above_the_vocabulary_is_served_as_off():
 
 
 def test_a_rank_refusal_names_the_sequence_to_blame():
-    sp = wire_sampling(SamplingParams().to_row_sampling(3, (VOCAB + 5,)))
+    sp = SamplingParams().to_row_sampling(3, (VOCAB + 5,))
     with pytest.raises(EpCommandFailed) as info:
         _mirror()._check_sampling(sp, _Failer(0), (1, 2))
     assert info.value.bad_rows == ((1, 2),) and "banned_token_ids" in info.value.reason

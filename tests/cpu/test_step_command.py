@@ -18,9 +18,10 @@ import numpy as np
 import pytest
 from hypothesis import HealthCheck, given, settings, strategies as st
 
+from epserve.models.traits import RowSampling
 from epserve.worker import step_command as P
 from epserve.worker.step_command import (BlockUpdate, DecodeRow, DecodeRows, Ints, NewSeq, PrefillRow,
-                                     ProtocolError, Release, Sampling, SamplingUpdate, StepCommand)
+                                     ProtocolError, Release, SamplingUpdate, StepCommand)
 from epserve.worker.wire import Table
 
 FAST = settings(deadline=None, suppress_health_check=list(HealthCheck), database=None)
@@ -41,8 +42,9 @@ wire_floats = st.one_of(st.floats(allow_nan=True, allow_infinity=True),
                         st.sampled_from([math.inf, -math.inf, math.nan, -0.0, 5e-324]))
 small = dict(max_size=4)
 
-samplings = st.builds(Sampling, wire_floats, wire_floats, i64s, wire_floats, seeds,
-                      st.lists(row_ints, **small).map(tuple), i64s)
+samplings = st.builds(RowSampling, wire_floats, wire_floats, i64s, wire_floats, seeds,
+                      st.lists(row_ints, **small).map(tuple),
+                      st.one_of(st.none(), i64s.filter(lambda v: v != -1)))  # -1 is None
 step_commands = st.builds(
     StepCommand,
     step_id=wire_ints, kind=wire_ints,
@@ -83,8 +85,9 @@ def _random_command(rng: random.Random) -> StepCommand:
         return tuple(make() for _ in range(rng.randrange(k + 1)))
 
     def samp():
-        return Sampling(rng.random(), 1.0, i(), math.inf, rng.choice([0, 5, U64_MAX]),
-                        many(i32), i())
+        lp = i()
+        return RowSampling(rng.random(), 1.0, i(), math.inf, rng.choice([0, 5, U64_MAX]),
+                           many(i32), None if lp == -1 else lp)
 
     return StepCommand(
         step_id=rng.choice([0, 1, U64_MAX, I64_MIN]), kind=i(),
@@ -147,7 +150,7 @@ def test_seed_commands_round_trip():
 
 
 def test_round_trip_examples():
-    s = Sampling(math.nan, math.inf, -1, -math.inf, U64_MAX, (), -1)
+    s = RowSampling(math.nan, math.inf, -1, -math.inf, U64_MAX, (), None)
     empty = StepCommand(step_id=0)
     full = StepCommand(
         step_id=I64_MIN, kind=P.KIND_SHUTDOWN, releases=(Release(0, 1),),
@@ -167,7 +170,7 @@ def test_round_trip_examples():
 def test_decoded_rows_serve_their_consumers():
     """What ep_mirror, ep_rank, ep_leader and cluster.faults do with a command's rows works the
     same on a decoded command as on the tuples the leader built."""
-    s = Sampling(0.5, 1.0, 0, 0.0, 3, (7, 8), -1)
+    s = RowSampling(0.5, 1.0, 0, 0.0, 3, (7, 8), None)
     built = StepCommand(step_id=3, new_seqs=(NewSeq(0, 1, 0, 4, 2, s),),
                         block_updates=(BlockUpdate(0, 1, 0, (5, 6)),),
                         prefill=(PrefillRow(0, 1, 0, (10, 11, 12), True, 0, 13),))
@@ -176,7 +179,7 @@ def test_decoded_rows_serve_their_consumers():
     p, b, n = cmd.prefill[0], cmd.block_updates[0], cmd.new_seqs[-1]
     assert list(p.tokens[1:]) + [p.next_token] == [11, 12, 13]  # ep_rank._targets
     assert len(p.tokens) == 3 and p.tokens[-1] == 12 and list(reversed(p.tokens)) == [12, 11, 10]
-    assert all(type(t) is int for t in [*p.tokens, *b.blocks, *n.sampling.banned])
+    assert all(type(t) is int for t in [*p.tokens, *b.blocks, *n.sampling.banned_token_ids])
     assert p.tokens == (10, 11, 12) and (10, 11, 12) == p.tokens and p.tokens != (10, 11)
     assert hash(p.tokens) == hash((10, 11, 12)) and hash(p) == hash(built.prefill[0])
     grown = cmd.block_updates + (BlockUpdate(0, 1, 2, (9,)),)  # cluster.faults appends rows
@@ -193,7 +196,7 @@ def test_decoded_rows_serve_their_consumers():
 
 def test_encoder_refuses_values_a_record_cannot_hold():
     """Strict types on the way out too: what the old decoder refused, the encoder refuses."""
-    ok_s = Sampling(1.0, 1.0, 0, 0.0, 0, (), -1)
+    ok_s = RowSampling(1.0, 1.0, 0, 0.0, 0, (), None)
     bad = [
         StepCommand(step_id=True), StepCommand(step_id=1.0), StepCommand(step_id=1, kind=None),
         StepCommand(1, releases=(Release(True, 0),)), StepCommand(1, releases=(Release(0, 1.0),)),
@@ -202,7 +205,7 @@ def test_encoder_refuses_values_a_record_cannot_hold():
         StepCommand(1, new_seqs=(NewSeq(0, 0, 0, 1, -1, dataclasses.replace(ok_s, top_k=1.5)),)),
         StepCommand(1, new_seqs=(NewSeq(0, 0, 0, 1, -1, dataclasses.replace(ok_s, min_p="0")),)),
         StepCommand(1, sampling_updates=(SamplingUpdate(0, 0, dataclasses.replace(
-            ok_s, banned=(1.5,))),)),
+            ok_s, banned_token_ids=(1.5,))),)),
         StepCommand(1, block_updates=(BlockUpdate(0, 0, 0, (2**31,)),)),
         StepCommand(1, block_updates=(BlockUpdate(0, 0, 0, ("1",)),)),
         StepCommand(1, prefill=(PrefillRow(0, 0, 0, (1,), 1, 0, -1),)),
@@ -310,7 +313,7 @@ def test_decode_row_values_beyond_int32_are_refused_on_encode():
 
 def _ok_body() -> list:
     ok = StepCommand(step_id=1, new_seqs=(NewSeq(0, 0, 0, 1, -1,
-                                                 Sampling(1.0, 1.0, 0, 0.0, 0, (3,), -1)),),
+                                                 RowSampling(1.0, 1.0, 0, 0.0, 0, (3,), None)),),
                      block_updates=(BlockUpdate(0, 0, 0, (1,)),), decode=(DecodeRow(0, 0, 5, 0),),
                      prefill=(PrefillRow(0, 1, 0, (1, 2), True, 1, -1),))
     body = msgpack.unpackb(P.encode(ok))

@@ -20,11 +20,11 @@ import numpy as np
 import pytest
 from hypothesis import HealthCheck, given, settings, strategies as st
 
-from epserve.models.traits import PromptTokenLogprob, SampledToken
+from epserve.models.traits import PromptTokenLogprob, RowSampling, SampledToken
 from epserve.worker import ep_results as R
 from epserve.worker import step_command as P
 from epserve.worker.step_command import (BlockUpdate, DecodeRow, NewSeq, PrefillRow, ProtocolError,
-                                     Release, Sampling, StepCommand, WireLimits)
+                                     Release, StepCommand, WireLimits)
 
 FAST = settings(deadline=None, suppress_health_check=list(HealthCheck), database=None)
 ALLOWANCE = 256 * 2**10
@@ -73,7 +73,7 @@ def _valid_fields(which: str) -> list:
         res = R.RankResult(3, 1, {2: SampledToken(5, -0.5, ((5, -0.5),))},
                            {2: [PromptTokenLogprob(7, -1.0)]})
         return msgpack.unpackb(R.encode_result(res))
-    s = Sampling(1.0, 1.0, 0, 0.0, 0, (3,), -1)
+    s = RowSampling(1.0, 1.0, 0, 0.0, 0, (3,), None)
     cmd = StepCommand(step_id=1, releases=(Release(0, 1),), new_seqs=(NewSeq(0, 0, 0, 1, -1, s),),
                       block_updates=(BlockUpdate(0, 0, 0, (1,)),), decode=(DecodeRow(0, 0, 5, 0),),
                       prefill=(PrefillRow(0, 1, 0, (1, 2), True, 1, -1),))
@@ -146,7 +146,7 @@ def test_truncated_frames_are_refused():
 
 
 def _big_command(rng: random.Random, rows: int) -> StepCommand:
-    s = Sampling(0.5, 1.0, 3, 0.0, 7, tuple(range(rng.randrange(4))), 2)
+    s = RowSampling(0.5, 1.0, 3, 0.0, 7, tuple(range(rng.randrange(4))), 2)
     return StepCommand(
         step_id=rng.randrange(100), releases=tuple(Release(0, i) for i in range(rows)),
         new_seqs=tuple(NewSeq(0, i, 0, 9, -1, s) for i in range(rows)),
@@ -222,7 +222,7 @@ LIMITS = WireLimits(world_size=2, max_slots=4, max_blocks_per_seq=3, max_step_to
 
 
 def test_limits_refuse_what_no_correct_leader_sends():
-    s = Sampling(1.0, 1.0, 0, 0.0, 0, (), -1)
+    s = RowSampling(1.0, 1.0, 0, 0.0, 0, (), None)
     fine = StepCommand(1, releases=tuple(Release(r, i) for r in range(2) for i in range(4)),
                        block_updates=(BlockUpdate(0, 0, 0, (1, 2, 3)),),
                        decode=tuple(DecodeRow(0, i, 1, 0) for i in range(4)),
