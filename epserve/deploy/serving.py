@@ -19,8 +19,10 @@ from epserve.deploy import responses as R
 from epserve.deploy.engine_client import EngineClient
 from epserve.deploy.errors import ApiError, bad_request
 from epserve.deploy.metrics import ServerMetrics
-from epserve.deploy.protocol import (ChatCompletionRequest, CompletionRequest, DetokenizeRequest,
-                                     TokenizeRequest, sampling_kwargs, validate)
+from epserve.deploy.openai_models import (
+    ChatCompletionRequest, CompletionRequest, DetokenizeRequest, TokenizeRequest,
+    sampling_kwargs, validate,
+)
 from epserve.deploy.stream import Delta, DeltaTracker, Fanout, Prompt, open_streams
 from epserve.head.limits import RequestLimits
 from epserve.head.outputs import RequestOutput
