@@ -3,6 +3,9 @@
 Invariants: the same arguments build the same engine in-process (``LLM``) or inside the
 HeadActor (server, EP); options are plain values (they cross process boundaries as msgpack
 maps, never pickles); an invalid option raises ``ValueError`` naming it before anything loads.
+Every option's value is checked here and nowhere else (``LLM``, the CLI and the server hold no
+copies); ``check_on_this_machine`` adds the checks that read the driver's machine (device,
+model and tokenizer folders) for ``LLM``.
 """
 
 from __future__ import annotations
@@ -18,6 +21,11 @@ from epserve.head.limits import RequestLimits
 from epserve.head.scheduler import SchedulerConfig
 from epserve.models.config import CheckpointError, ModelConfig
 from epserve.worker.runner import Runner, RunnerConfig
+
+
+#: How the EP ranks' placement group may be laid out on the Ray cluster (Ray's strategies).
+PLACEMENT_STRATEGIES = ("STRICT_PACK", "PACK", "SPREAD", "STRICT_SPREAD")
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model")
 
 
 @dataclass(frozen=True)
@@ -72,14 +80,34 @@ class EngineArgs:
         if self.decode_lookahead and self.ep_size > 1:
             raise ValueError("decode_lookahead=True needs ep_size=1: expert-parallel ranks run "
                              "each forward in lockstep, so none can run one ahead")
-        if self.placement_strategy not in ("STRICT_PACK", "PACK", "SPREAD", "STRICT_SPREAD"):
-            raise ValueError(f"placement_strategy must be STRICT_PACK, PACK, SPREAD or "
-                             f"STRICT_SPREAD, got {self.placement_strategy!r}")
+        if self.placement_strategy not in PLACEMENT_STRATEGIES:
+            raise ValueError(f"placement_strategy must be {', '.join(PLACEMENT_STRATEGIES[:-1])} "
+                             f"or {PLACEMENT_STRATEGIES[-1]}, got {self.placement_strategy!r}")
         for name in ("max_model_len", "num_kv_blocks"):
             v = getattr(self, name)
             if v is not None and (isinstance(v, bool) or not isinstance(v, int) or v < 1):
                 raise ValueError(f"{name} must be a positive integer or None, got {v!r}")
         self.request_limits()  # its ValueError names the option
+        t = self.long_prefill_token_threshold
+        if isinstance(t, bool) or not isinstance(t, int) or t < 0:
+            raise ValueError(f"long_prefill_token_threshold must be an int >= 0 (0 = no cap), "
+                             f"got {t!r}")
+        if isinstance(self.seed, bool) or not isinstance(self.seed, int):
+            raise ValueError(f"seed must be an int, got {self.seed!r}")
+        _check_device_name(self.device)
+
+    def check_on_this_machine(self) -> None:
+        """The checks that read this machine, before anything loads: the device is present,
+        ``model`` is a checkpoint folder we can serve (``CheckpointError``), ``tokenizer`` is a
+        folder with a tokenizer. (``__post_init__`` checks only values: these args also cross
+        to the HeadActor, which may run where the driver's files and devices are not.)"""
+        _check_device_present(self.device)
+        if self.model is not None:
+            check_model_path(self.model)
+        if self.tokenizer is not None and not any(
+                (Path(self.tokenizer) / f).is_file() for f in TOKENIZER_FILES):
+            raise ValueError(f"tokenizer={str(self.tokenizer)!r}: no tokenizer.json, "
+                             f"tokenizer_config.json or tokenizer.model in that folder")
 
     def request_limits(self) -> RequestLimits:
         return RequestLimits(max_n=self.max_n, max_stop_strings=self.max_stop_strings,
@@ -118,6 +146,40 @@ class EngineArgs:
             warmup_tokens=self.max_num_batched_tokens, decode_lookahead=self.decode_lookahead)
 
 
+def _check_device_name(device: Any) -> None:
+    """``ValueError`` naming ``device`` when torch cannot parse it or it is no cpu/cuda."""
+    if not isinstance(device, str):
+        raise ValueError(f"device must be a string such as 'auto', 'cpu' or 'cuda:0', "
+                         f"got {device!r}")
+    if device == "auto":
+        return
+    import torch
+
+    try:
+        dev = torch.device(device)
+    except RuntimeError:
+        raise ValueError(f"device={device!r} is not a device torch knows; use 'auto', 'cpu' "
+                         f"or 'cuda[:N]'") from None
+    if dev.type not in ("cpu", "cuda"):
+        raise ValueError(f"device={device!r}: only 'auto', 'cpu' and 'cuda[:N]' are supported")
+
+
+def _check_device_present(device: str) -> None:
+    """``ValueError`` naming a CUDA ``device`` this machine does not have."""
+    if device == "auto":
+        return
+    import torch
+
+    dev = torch.device(device)
+    if dev.type == "cuda":
+        count = torch.cuda.device_count() if torch.cuda.is_available() else 0
+        if count == 0:
+            raise ValueError(f"device={device!r}: CUDA is not available on this machine; "
+                             f"use device='cpu' or 'auto'")
+        if dev.index is not None and dev.index >= count:
+            raise ValueError(f"device={device!r}: this machine has {count} CUDA device(s)")
+
+
 def check_model_path(path: str) -> None:
     """``CheckpointError`` naming ``path`` when it is not a checkpoint folder we can serve
     (checked before any process or actor starts, so the user sees one clear line)."""
@@ -144,8 +206,7 @@ class NoTokenizer:
 def load_tokenizer(path: str, tokenizer: str | None) -> Any:
     """The checkpoint's (or ``tokenizer``'s) HF tokenizer, or None when it ships none."""
     src = tokenizer or path
-    files = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model")
-    if not any((Path(src) / f).exists() for f in files):
+    if not any((Path(src) / f).exists() for f in TOKENIZER_FILES):
         return None
     from transformers import AutoTokenizer
 

@@ -1,71 +1,32 @@
 """The offline entry point, in the shape vLLM users know: ``LLM(...).generate / .chat``.
 
-Owns the assembly of one engine over its runner(s) and the tokenizer (through
-``EngineArgs`` / ``build_engine``, the same path the server takes). Invariants: every option
-is checked before anything loads (``ValueError`` naming it; a checkpoint that cannot be
-served raises ``CheckpointError``); every request of a ``generate`` call is validated before
-any of them is queued, so a bad one raises ``ValueError`` (naming the prompt and field) and
-leaves no trace (the engine's seed stream included); outputs come back in the order of the
-prompts; a request that needs a capability the runner lacks raises ``CapabilityAbsent``.
+Turns prompts into token ids and checks them; the engine behind it is an ``LlmBackend``
+(``llm_backend.py``): in this process (``LocalBackend``, ep_size=1) or in a HeadActor on Ray
+(``RemoteEngine``, ep_size > 1), both assembled from ``EngineArgs``, the same path the server
+takes. Invariants: every option is checked before anything loads (``ValueError`` naming it; a
+checkpoint that cannot be served raises ``CheckpointError``); every request of a ``generate``
+call is validated before any of them is queued, so a bad one raises ``ValueError`` (naming the
+prompt and field) and leaves no trace (the engine's seed stream included); outputs come back
+in the order of the prompts; a request that needs a capability the runner lacks raises
+``CapabilityAbsent``.
 """
 
 from __future__ import annotations
 
-import dataclasses
 import logging
 import os
-from pathlib import Path
 from typing import Any, Iterator, Sequence
 
-from epserve.cluster.engine_args import (
-    EngineArgs, build_engine, check_model_path, load_tokenizer,
-)
+from epserve.cluster.engine_args import EngineArgs
+from epserve.cluster.llm_backend import LlmBackend, LocalBackend
 from epserve.cluster.remote_engine import RemoteEngine
-from epserve.head.async_engine import engine_snapshot
-from epserve.head.output_builder import build_output
 from epserve.head.outputs import RequestOutput
 from epserve.head.sampling_params import SamplingParams
-from epserve.head.sequence import Request
 from epserve.models.traits import BeamReq, require_capability
 
 log = logging.getLogger(__name__)
 
 PromptType = str | dict[str, Any]
-
-
-class _Capabilities:
-    """What ``require_capability`` reads, for an engine that runs elsewhere."""
-
-    def __init__(self, caps: frozenset[str]):
-        self._caps = caps
-
-    def capabilities(self) -> frozenset[str]:
-        return self._caps
-
-
-def _check_device(device: str) -> None:
-    """``ValueError`` naming ``device`` when torch cannot parse it or it is not present."""
-    if not isinstance(device, str):
-        raise ValueError(f"device must be a string such as 'auto', 'cpu' or 'cuda:0', "
-                         f"got {device!r}")
-    if device == "auto":
-        return
-    import torch
-
-    try:
-        dev = torch.device(device)
-    except RuntimeError:
-        raise ValueError(f"device={device!r} is not a device torch knows; use 'auto', 'cpu' "
-                         f"or 'cuda[:N]'") from None
-    if dev.type == "cuda":
-        count = torch.cuda.device_count() if torch.cuda.is_available() else 0
-        if count == 0:
-            raise ValueError(f"device={device!r}: CUDA is not available on this machine; "
-                             f"use device='cpu' or 'auto'")
-        if dev.index is not None and dev.index >= count:
-            raise ValueError(f"device={device!r}: this machine has {count} CUDA device(s)")
-    elif dev.type != "cpu":
-        raise ValueError(f"device={device!r}: only 'auto', 'cpu' and 'cuda[:N]' are supported")
 
 
 class LLM:
@@ -104,64 +65,37 @@ class LLM:
             decode_lookahead=decode_lookahead, max_n=max_n, max_stop_strings=max_stop_strings,
             max_stop_chars=max_stop_chars, max_stop_token_ids=max_stop_token_ids,
             max_logprobs=max_logprobs)
-        if (isinstance(long_prefill_token_threshold, bool)
-                or not isinstance(long_prefill_token_threshold, int)
-                or long_prefill_token_threshold < 0):
-            raise ValueError(f"long_prefill_token_threshold must be an int >= 0 (0 = no cap), "
-                             f"got {long_prefill_token_threshold!r}")
-        if isinstance(seed, bool) or not isinstance(seed, int):
-            raise ValueError(f"seed must be an int, got {seed!r}")
-        _check_device(device)
-        if args.model is not None:
-            check_model_path(args.model)
-        if tokenizer is not None and not any(
-                (Path(tokenizer) / f).is_file()
-                for f in ("tokenizer.json", "tokenizer_config.json", "tokenizer.model")):
-            raise ValueError(f"tokenizer={str(tokenizer)!r}: no tokenizer.json, "
-                             f"tokenizer_config.json or tokenizer.model in that folder")
+        args.check_on_this_machine()  # device present, model and tokenizer folders
         args = args.resolved()
         self.args = args
         self.model_path = str(args.model)
-        self._remote: RemoteEngine | None = None
-        if ep_size > 1:
-            self._remote = RemoteEngine(args)
-            self.engine, self.runner = None, _Capabilities(self._remote.capabilities())
-            self.tokenizer = load_tokenizer(self.model_path, tokenizer)
-        else:
-            self.engine, self.runner, self.tokenizer = build_engine(args)
+        # the one place that asks where the engine runs; every call below goes to the backend
+        self.backend: LlmBackend = RemoteEngine(args) if args.ep_size > 1 else LocalBackend(args)
+        self.tokenizer = self.backend.tokenizer
+
+    @property
+    def engine(self) -> Any:
+        """The in-process ``Engine`` (ep_size=1), for driving it step by step; None over EP."""
+        return self.backend.engine
+
+    @property
+    def runner(self) -> Any:
+        """The in-process model runner (ep_size=1); None over EP."""
+        return self.backend.runner
 
     # ------------------------------------------------------------------ the engine's state
 
     def stats(self) -> dict[str, Any]:
         """Counters and gauges (running, waiting, KV usage, tokens, preemptions, finished)."""
-        if self._remote is not None:
-            return self._remote.stats()
-        return dataclasses.asdict(engine_snapshot(self.engine, None))
+        return self.backend.stats()
 
     def health(self) -> dict[str, Any]:
         """``{"healthy": bool, "reason": str | None}``; over EP, false while a rank is dead."""
-        if self._remote is not None:
-            return self._remote.health()
-        return {"healthy": True, "reason": None}
-
-    def worker_failures(self) -> list[list[dict[str, Any]]]:
-        """Each EP worker rank's logged ``EpCommandFailed`` records (empty for ep_size=1)."""
-        return self._remote.worker_failures() if self._remote is not None else []
-
-    def worker_handles(self) -> list[Any]:
-        """The EP worker actors (ranks 1..N-1) on Ray (empty for ep_size=1)."""
-        return self._remote.worker_handles() if self._remote is not None else []
-
-    def inject_command_fault(self, kind: str) -> None:
-        """Corrupt the next EP step command (tests of the keep-going contract)."""
-        if self._remote is None:
-            raise ValueError("inject_command_fault needs ep_size > 1")
-        self._remote.inject_command_fault(kind)
+        return self.backend.health()
 
     def close(self) -> None:
         """Release the EP ranks (ep_size > 1); a no-op otherwise. Safe to call twice."""
-        if self._remote is not None:
-            self._remote.close()
+        self.backend.close()
 
     def get_tokenizer(self) -> Any:
         return self.tokenizer
@@ -217,7 +151,7 @@ class LLM:
         anything when a prompt or parameter is invalid. ``lora_request`` needs the runner's
         'adapters' capability (``CapabilityAbsent`` otherwise)."""
         if lora_request is not None:
-            require_capability(self.runner, "adapters", "generate(lora_request=...)")
+            require_capability(self.backend, "adapters", "generate(lora_request=...)")
         if isinstance(prompts, (str, dict)):
             prompts = [prompts]
         prompts = list(prompts)
@@ -227,54 +161,15 @@ class LLM:
         encoded = []
         for i, (p, sp) in enumerate(zip(prompts, params)):
             text, ids = self._prompt_ids(p, i)
-            if self._remote is None:
-                try:
-                    self.engine.check_request(ids, sp)
-                except ValueError as exc:
-                    raise ValueError(f"prompts[{i}]: {exc}") from None
+            self._check_request(ids, sp, i)
             encoded.append((text, ids))
-        if self._remote is not None:  # the head checks every request before running any
-            return self._remote.generate(encoded, params)
-        added: list[Request] = []
-        try:
-            for i, ((text, ids), sp) in enumerate(zip(encoded, params)):
-                try:
-                    added.append(self.engine.add_request(None, ids, sp, prompt=text))
-                except ValueError as exc:
-                    raise ValueError(f"prompts[{i}]: {exc}") from None
-        except BaseException:
-            for req in added:
-                self.engine.abort_request(req.request_id)
-            raise
-        return self._run(added, use_tqdm)
+        return self.backend.generate(encoded, params, use_tqdm)
 
-    def _run(self, requests: list[Request], use_tqdm: bool) -> list[RequestOutput]:
-        final: dict[str, RequestOutput] = {}
-        bar = None
-        if use_tqdm:
-            from tqdm import tqdm
-
-            bar = tqdm(total=len(requests), desc="Processed prompts")
-        wanted = {r.request_id for r in requests}
+    def _check_request(self, ids: list[int], params: SamplingParams, i: int) -> None:
         try:
-            while len(final) < len(requests) and self.engine.has_unfinished():
-                for out in self.engine.step(finished_only=True):
-                    if out.finished and out.request_id in wanted and out.request_id not in final:
-                        final[out.request_id] = out
-                        if bar is not None:
-                            bar.update(1)
-        except BaseException:
-            # An interrupted call (Ctrl-C, a crash) must not leave its requests queued.
-            for req in requests:
-                self.engine.abort_request(req.request_id)
-            raise
-        finally:
-            if bar is not None:
-                bar.close()
-        # A request finished outside this loop (aborted, or stepped by a suspended stream)
-        # reports its state as it ended.
-        return [final.get(r.request_id) or build_output(r, self.engine.tokenizer)
-                for r in requests]
+            self.backend.check_request(ids, params)
+        except ValueError as exc:
+            raise ValueError(f"prompts[{i}]: {exc}") from None
 
     def stream(self, prompt: PromptType, sampling_params: SamplingParams | None = None
                ) -> Iterator[RequestOutput]:
@@ -283,36 +178,10 @@ class LLM:
         if sampling_params is not None and not isinstance(sampling_params, SamplingParams):
             raise ValueError(f"sampling_params must be a SamplingParams, "
                              f"got {type(sampling_params).__name__}")
+        params = sampling_params or SamplingParams()
         text, ids = self._prompt_ids(prompt, 0)
-        if self._remote is not None:
-            return self._remote.stream(text, ids, sampling_params or SamplingParams(),
-                                       self.tokenizer)
-        try:
-            self.engine.check_request(ids, sampling_params or SamplingParams())
-        except ValueError as exc:
-            raise ValueError(f"prompts[0]: {exc}") from None
-        return self._stream(text, ids, sampling_params or SamplingParams())
-
-    def _stream(self, text: str | None, ids: list[int], params: SamplingParams
-                ) -> Iterator[RequestOutput]:
-        # Queued on the first next(), so an iterator that is never started leaves nothing.
-        req = self.engine.add_request(None, ids, params, prompt=text)
-        rid = req.request_id
-        try:
-            while not req.finished:
-                outs = self.engine.step()
-                for out in outs:
-                    if out.request_id == rid:
-                        yield out
-                        if out.finished:
-                            return
-                if req.finished:
-                    # Finished by someone else's step (a generate() call while this stream
-                    # was suspended) or aborted: report the end instead of waiting for it.
-                    yield build_output(req, self.engine.tokenizer)
-                    return
-        finally:
-            self.engine.abort_request(rid)
+        self._check_request(ids, params, 0)
+        return self.backend.stream(text, ids, params)
 
     def chat(self, messages: list[dict[str, Any]] | list[list[dict[str, Any]]],
              sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
@@ -320,7 +189,7 @@ class LLM:
              chat_template: str | None = None, lora_request: Any = None) -> list[RequestOutput]:
         """Render each conversation with the checkpoint's chat template and generate."""
         if lora_request is not None:
-            require_capability(self.runner, "adapters", "chat(lora_request=...)")
+            require_capability(self.backend, "adapters", "chat(lora_request=...)")
         convs = messages if messages and isinstance(messages[0], list) else [messages]
         prompts = [self.chat_prompt(conv, add_generation_prompt, chat_template) for conv in convs]
         return self.generate(prompts, sampling_params, use_tqdm, lora_request=lora_request)
@@ -345,7 +214,7 @@ class LLM:
         """Beam search (vLLM's ``LLM.beam_search``): needs the runner's 'beam' capability;
         ``CapabilityAbsent`` (a ``NotImplementedError``) when it lacks it, as every runner of
         this version does. ``params``: ``beam_width``, ``max_tokens``, ``length_penalty``."""
-        require_capability(self.runner, "beam", "beam_search")
+        require_capability(self.backend, "beam", "beam_search")
         if isinstance(prompts, (str, dict)):
             prompts = [prompts]
         reqs = []
@@ -354,4 +223,4 @@ class LLM:
             reqs.append(BeamReq(tokens=tuple(ids), max_new_tokens=int(params.max_tokens),
                                 num_beams=int(getattr(params, "beam_width", 4)),
                                 length_penalty=float(getattr(params, "length_penalty", 1.0))))
-        return self.runner.generate_beam_batch(reqs)
+        return self.backend.beam_search(reqs)

@@ -1,5 +1,9 @@
 """RemoteEngine: the offline API's view of an engine that runs in a HeadActor (EP over Ray).
 
+An ``LlmBackend`` (``llm_backend.py``), beside the in-process ``LocalBackend``; its
+``worker_failures``, ``worker_handles`` and ``inject_command_fault`` are no part of that
+protocol: they are for tests of the EP ranks (``llm.backend.worker_handles()``).
+
 Invariants: what crosses to the head is plain data (token ids, sampling fields as a dict);
 a request the head refuses raises a plain ``ValueError`` here with the head's message, and an
 engine that cannot serve any more raises a plain ``EngineDead`` (never a Ray traceback);
@@ -12,13 +16,14 @@ import dataclasses
 import uuid
 from typing import Any, Iterator, Sequence
 
-from epserve.cluster.engine_args import EngineArgs
+from epserve.cluster.engine_args import EngineArgs, load_tokenizer
 from epserve.head.async_engine import EngineDead
 from epserve.head.output_stream import (
     OutputAccumulator, Submission, decode_records, snapshot,
 )
 from epserve.head.outputs import RequestOutput
 from epserve.head.sampling_params import SamplingParams
+from epserve.models.traits import BeamReq, CapabilityAbsent
 
 
 def _plain(exc: BaseException) -> BaseException:
@@ -27,7 +32,11 @@ def _plain(exc: BaseException) -> BaseException:
 
 
 class RemoteEngine:
-    """Drives a HeadActor started for these ``args`` (one per ``LLM``)."""
+    """Drives a HeadActor started for these resolved ``args`` (one per ``LLM``)."""
+
+    #: the engine and its runner run in the HeadActor and its EP ranks, not here
+    engine = None
+    runner = None
 
     def __init__(self, args: EngineArgs):
         import ray
@@ -41,6 +50,8 @@ class RemoteEngine:
             raise _as_value_error(exc) from None
         self.info = ray.get(self.head.ready.remote())
         self._ids = 0
+        self._caps = frozenset(self._call(self.head.capabilities.remote()))
+        self.tokenizer = load_tokenizer(str(args.model), args.tokenizer)
 
     def _call(self, ref: Any) -> Any:
         import ray
@@ -54,18 +65,24 @@ class RemoteEngine:
         except ray.exceptions.RayActorError:
             raise EngineDead("the engine's head actor is gone") from None
 
+    def check_request(self, ids: list[int], params: SamplingParams) -> None:
+        """Nothing here: the head checks every request of a call before it runs any, and its
+        ``ValueError`` reaches the caller as a plain one."""
+
     def generate(self, prompts: Sequence[tuple[str | None, list[int]]],
-                 params: Sequence[SamplingParams]) -> list[RequestOutput]:
+                 params: Sequence[SamplingParams], use_tqdm: bool = False
+                 ) -> list[RequestOutput]:
         reqs = [{"prompt": text, "prompt_token_ids": ids, "params": dataclasses.asdict(sp)}
                 for (text, ids), sp in zip(prompts, params)]
         return self._call(self.head.generate_batch.remote(reqs))
 
-    def stream(self, text: str | None, ids: list[int], params: SamplingParams,
-               tokenizer: Any = None) -> Iterator[RequestOutput]:
+    def stream(self, text: str | None, ids: list[int], params: SamplingParams
+               ) -> Iterator[RequestOutput]:
         """The request's cumulative output after each step that changed it, over the head's
         client channel (submit, then poll for delta records)."""
         import ray
 
+        tokenizer = self.tokenizer
         self._ids += 1
         rid = f"{self.name}-stream-{self._ids}"
         decode = (lambda t: tokenizer.decode([t], skip_special_tokens=False)) \
@@ -108,7 +125,10 @@ class RemoteEngine:
         self._call(self.head.inject_command_fault.remote(kind))
 
     def capabilities(self) -> frozenset[str]:
-        return frozenset(self._call(self.head.capabilities.remote()))
+        return self._caps
+
+    def beam_search(self, reqs: Sequence[BeamReq]) -> list[list[int]]:
+        raise CapabilityAbsent("beam search is not implemented over expert parallelism")
 
     def close(self) -> None:
         from epserve.cluster.bringup import stop_head

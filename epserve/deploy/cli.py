@@ -34,9 +34,10 @@ def _engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--no-prefix-caching", action="store_true")
     p.add_argument("--load-format", default="auto", choices=["auto", "safetensors", "dummy"])
     p.add_argument("--ep-size", type=int, default=1, help="expert-parallel ranks")
+    # checked by EngineArgs (one clear line, exit 2), as every engine option's value is
     p.add_argument("--placement-strategy", default="STRICT_PACK",
-                   choices=["STRICT_PACK", "PACK", "SPREAD", "STRICT_SPREAD"],
-                   help="how the EP ranks' placement group is laid out on the Ray cluster")
+                   help="how the EP ranks' placement group is laid out on the Ray cluster: "
+                        "STRICT_PACK, PACK, SPREAD or STRICT_SPREAD")
     p.add_argument("--seed", type=int, default=0)
 
 
@@ -93,18 +94,25 @@ def _parser() -> argparse.ArgumentParser:
     return ap
 
 
+def engine_options(args: argparse.Namespace) -> dict:
+    """The engine options the ``_engine_args`` flags give, as ``LLM``/``EngineArgs`` keywords
+    (one mapping for ``generate`` and ``serve``; the values are checked by ``EngineArgs``)."""
+    return dict(
+        model=args.model, tokenizer=getattr(args, "tokenizer", None), dtype=args.dtype,
+        device=args.device, max_model_len=args.max_model_len, max_num_seqs=args.max_num_seqs,
+        max_num_batched_tokens=args.max_num_batched_tokens, num_kv_blocks=args.num_kv_blocks,
+        block_size=args.block_size, enable_prefix_caching=not args.no_prefix_caching,
+        load_format=args.load_format, ep_size=args.ep_size,
+        placement_strategy=args.placement_strategy, seed=args.seed,
+        gpu_memory_utilization=args.gpu_memory_utilization,
+        enforce_eager=getattr(args, "enforce_eager", False),
+        decode_lookahead=False if getattr(args, "no_decode_lookahead", False) else None)
+
+
 def _llm(args: argparse.Namespace):
     from epserve import LLM
 
-    return LLM(model=args.model, tokenizer=args.tokenizer, dtype=args.dtype, device=args.device,
-               max_model_len=args.max_model_len, max_num_seqs=args.max_num_seqs,
-               max_num_batched_tokens=args.max_num_batched_tokens,
-               num_kv_blocks=args.num_kv_blocks, block_size=args.block_size,
-               enable_prefix_caching=not args.no_prefix_caching, load_format=args.load_format,
-               ep_size=args.ep_size, placement_strategy=args.placement_strategy, seed=args.seed,
-               gpu_memory_utilization=args.gpu_memory_utilization,
-               enforce_eager=args.enforce_eager,
-               decode_lookahead=False if args.no_decode_lookahead else None)
+    return LLM(**engine_options(args))
 
 
 def _generate(args: argparse.Namespace) -> int:

@@ -17,6 +17,7 @@ import threading
 from typing import Any
 
 from epserve.cluster.engine_args import EngineArgs
+from epserve.deploy.cli import engine_options
 from epserve.deploy.config import (
     API_KEY_ENV, DEFAULT_BODY_READ_TIMEOUT_S, DEFAULT_MAX_BODY_BYTES, AppConfig,
 )
@@ -30,18 +31,8 @@ def config_from_args(args: argparse.Namespace) -> AppConfig:
     limits = {k: getattr(args, k) for k in ("max_n", "max_stop_strings", "max_stop_chars",
                                             "max_stop_token_ids", "max_logprobs")
               if getattr(args, k, None) is not None}
-    engine = EngineArgs(
-        model=args.model, tokenizer=getattr(args, "tokenizer", None), dtype=args.dtype,
-        device=args.device,
-        max_model_len=args.max_model_len, max_num_seqs=args.max_num_seqs,
-        max_num_batched_tokens=args.max_num_batched_tokens, num_kv_blocks=args.num_kv_blocks,
-        block_size=args.block_size, enable_prefix_caching=not args.no_prefix_caching,
-        load_format=args.load_format, ep_size=args.ep_size, seed=args.seed,
-        placement_strategy=args.placement_strategy,
-        gpu_memory_utilization=args.gpu_memory_utilization,
-        enforce_eager=getattr(args, "enforce_eager", False),
-        decode_lookahead=False if getattr(args, "no_decode_lookahead", False) else None,
-        served_model_name=getattr(args, "served_model_name", None), **limits)
+    engine = EngineArgs(**engine_options(args),
+                        served_model_name=getattr(args, "served_model_name", None), **limits)
     # an EPSERVE_API_KEY that is set but blank is refused here, not taken as "no auth"
     key = args.api_key if args.api_key is not None else os.environ.get(API_KEY_ENV)
     return AppConfig(engine=engine, api_key=key,

@@ -69,8 +69,8 @@ def test_invalid_command_fails_only_the_rows_that_made_it_invalid(ray_cluster, m
     leader then fails only the sequence whose row made it invalid and runs the step again
     without it: every other request in that step comes out exactly as on one rank."""
     ep, want = ep2_mixtral
-    before = [len(f) for f in ep.worker_failures()]
-    ep.inject_command_fault(kind)
+    before = [len(f) for f in ep.backend.worker_failures()]
+    ep.backend.inject_command_fault(kind)
     prompts = [{"prompt_token_ids": p} for p in _prompts()]
     outs = ep.generate(prompts, GREEDY)
     failed = [i for i, o in enumerate(outs) if o.error]
@@ -80,7 +80,7 @@ def test_invalid_command_fails_only_the_rows_that_made_it_invalid(ray_cluster, m
     for i in failed:
         assert REASONS[kind] in outs[i].error and "refused" in outs[i].error, outs[i].error
         assert outs[i].outputs[0].finish_reason == "error"
-    after = ep.worker_failures()
+    after = ep.backend.worker_failures()
     assert [len(f) - b for f, b in zip(after, before)] == [1], after
     reason = after[0][-1]["reason"]
     assert REASONS[kind] in reason, reason
@@ -181,7 +181,7 @@ def test_failed_rank_requests_go_on_in_the_reformed_group(ray_cluster, ep2_qwen,
     th, box = _in_background(lambda: ep.generate(LONG_PROMPTS, LONG))
     time.sleep(1.5)  # generation is under way
     assert th.is_alive(), "generation ended before the fault: make LONG longer"
-    victim = ep.worker_handles()[0]
+    victim = ep.backend.worker_handles()[0]
     pid = ray_cluster.get(victim.pid.remote())
     t_fault = time.monotonic()
     if fault == "kill":
@@ -218,10 +218,10 @@ def test_failed_rank_requests_go_on_in_the_reformed_group(ray_cluster, ep2_qwen,
 def test_reforms_do_not_grow_head_memory(ray_cluster, ep2_qwen):
     """Each re-form builds a new group and engine; the old ones must be freed, not kept."""
     ep, _ = ep2_qwen
-    head = ep._remote.head
+    head = ep.backend.head
     rss = []
     for _ in range(4):
-        ray_cluster.kill(ep.worker_handles()[0], no_restart=True)
+        ray_cluster.kill(ep.backend.worker_handles()[0], no_restart=True)
         _wait_unhealthy(ep, time.monotonic(), within_s=5.0)
         _wait_healthy(ep)
         assert ep.generate([LONG_PROMPTS[0]], GREEDY)[0].error is None
