@@ -25,7 +25,7 @@ from dataclasses import replace
 
 import torch
 
-from epserve.kernels.fused_moe_triton import (ALIGN_IN_KERNEL_MAX_PAIRS, MoeTiles, default_tiles,
+from epserve.kernels.triton.fused_moe import (ALIGN_IN_KERNEL_MAX_PAIRS, MoeTiles, default_tiles,
                                               fused_moe_triton)
 
 H, I, E, K = 2048, 768, 128, 8

@@ -8,12 +8,11 @@ causal within a sequence, computed in float32 and returned in the query's dtype.
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass
 
 import torch
 
-from epserve.kernels.wrapper_checks import DTYPES as _PREFILL_DTYPES
+from epserve.kernels.dispatch import DTYPES, use_triton
 
 
 @dataclass(frozen=True)
@@ -119,9 +118,10 @@ def paged_attention_ref(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.T
 def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                     meta: AttentionMetadata, scale: float,
                     sliding_window: int | None = None) -> torch.Tensor:
-    """Public entry for ``paged_attention_ref`` (same contract); picks the implementation:
-    Triton decode kernel for pure decode batches, Triton prefill kernel for any other batch
-    (CUDA or TRITON_INTERPRET=1), else the reference.
+    """Public entry for ``paged_attention_ref`` (same contract); picks the implementation
+    where ``dispatch.use_triton`` says so: the Triton decode kernel
+    (``epserve.kernels.triton.paged_attention``) for pure decode batches, the Triton prefill
+    kernel (``epserve.kernels.triton.paged_prefill``) for any other batch; else the reference.
 
     q: [T, Hq, D]; k_cache, v_cache: [NB, BS, Hkv, D]. Returns [T, Hq, D] q.dtype.
     """
@@ -134,8 +134,8 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
     if k_cache.shape[1] != meta.block_size:
         raise ValueError(f"paged_attention: cache block size {k_cache.shape[1]} != "
                          f"meta.block_size {meta.block_size}")
-    if _use_triton_decode(q, meta):
-        from epserve.kernels.paged_attention_triton import paged_decode_attention
+    if use_triton_decode(q, meta):
+        from epserve.kernels.triton.paged_attention import paged_decode_attention
 
         lens = meta.seq_lens_t if meta.seq_lens_t is not None else _seq_lens_tensor(meta, q.device)
         return paged_decode_attention(q, k_cache, v_cache, meta.block_tables, lens, scale,
@@ -143,35 +143,34 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
     if _use_triton_prefill(q, k_cache, v_cache, meta, sliding_window):
         tiles = _prefill_tile_map(meta, q, k_cache.shape[2])
         if tiles is not None:  # else out of contract: the reference raises or defines it
-            from epserve.kernels.paged_prefill_triton import paged_prefill_attention
+            from epserve.kernels.triton.paged_prefill import paged_prefill_attention
 
             return paged_prefill_attention(q, k_cache, v_cache, meta.block_tables, tiles, scale,
                                            sliding_window)
     return paged_attention_ref(q, k_cache, v_cache, meta, scale, sliding_window)
 
 
-def _use_triton_decode(q: torch.Tensor, meta: AttentionMetadata) -> bool:
-    """Triton decode kernel: CUDA (or TRITON_INTERPRET=1), triton importable, one row per sequence."""
-    if not (q.is_cuda or os.environ.get("TRITON_INTERPRET") == "1"):
+def use_triton_decode(q: torch.Tensor, meta: AttentionMetadata) -> bool:
+    """The Triton decode kernel runs: ``use_triton`` and one row per sequence (with lengths in
+    contract, or device lengths, which are trusted)."""
+    if not use_triton(q):
         return False
     s = meta.num_seqs
     if s == 0 or q.shape[0] != s or meta.query_start_loc != tuple(range(s + 1)):
         return False
     if meta.seq_lens_t is not None:  # device lengths (graph replay): trusted
-        return _triton_available()
+        return True
     # Out-of-contract lengths go to the reference, which raises or defines the result.
-    if min(meta.seq_lens) < 1 or max(meta.seq_lens) > meta.block_tables.shape[1] * meta.block_size:
-        return False
-    return _triton_available()
-
+    cap = meta.block_tables.shape[1] * meta.block_size
+    return min(meta.seq_lens) >= 1 and max(meta.seq_lens) <= cap
 
 
 def _use_triton_prefill(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                         meta: AttentionMetadata, sliding_window: int | None) -> bool:
-    """Triton prefill kernel: CUDA (or TRITON_INTERPRET=1), triton importable, a batch that is
-    not pure decode, tensors in the kernel's layout and a window that is None or a positive
-    int (anything else keeps the reference)."""
-    if not (q.is_cuda or os.environ.get("TRITON_INTERPRET") == "1"):
+    """Triton prefill kernel: ``use_triton``, a batch that is not pure decode, tensors in the
+    kernel's layout and a window that is None or a positive int (anything else keeps the
+    reference)."""
+    if not use_triton(q):
         return False
     if sliding_window is not None and not (type(sliding_window) is int and sliding_window >= 1):
         return False
@@ -179,20 +178,18 @@ def _use_triton_prefill(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.T
     if s == 0 or meta.query_start_loc == tuple(range(s + 1)):
         return False
     bt = meta.block_tables
-    if not (q.dtype in _PREFILL_DTYPES and k_cache.dtype == q.dtype == v_cache.dtype
+    if not (q.dtype in DTYPES and k_cache.dtype == q.dtype == v_cache.dtype
             and k_cache.shape == v_cache.shape and q.stride(2) == 1
             and k_cache.is_contiguous() and v_cache.is_contiguous()
             and bt.dtype == torch.int32 and bt.stride(1) == 1
             and q.device == k_cache.device == v_cache.device == bt.device):
         return False
-    if not _triton_available():
-        return False
     # ``from <module> import name`` reads sys.modules (``from <package> import <module>``
     # would read a package attribute that a test may have swapped the module under).
-    from epserve.kernels.paged_prefill_triton import _INTERPRETED
+    from epserve.kernels.triton.paged_prefill import INTERPRETED
 
     # A module compiled for the GPU (imported before TRITON_INTERPRET was set) cannot run on CPU.
-    return q.is_cuda or _INTERPRETED
+    return q.is_cuda or INTERPRETED
 
 
 _PREFILL_TILES_CACHE: list = [None, None, None, None]  # [meta, device, tok, TileMap | None]
@@ -202,7 +199,7 @@ def _prefill_tile_map(meta: AttentionMetadata, q: torch.Tensor, num_kv_heads: in
     """The prefill kernel's ``TileMap`` for ``meta`` on q's device, built once per metadata
     object (one step's layers share it: one H2D copy per step); None when ``meta`` is out of
     contract (a sequence with more new rows than its length, or longer than its block table)."""
-    from epserve.kernels.paged_prefill_triton import (build_tile_map, default_block_m,
+    from epserve.kernels.triton.paged_prefill import (build_tile_map, default_block_m,
                                                       tokens_per_tile)
 
     tok = tokens_per_tile(q.shape[1], num_kv_heads, default_block_m(q.device))
@@ -219,14 +216,6 @@ def _prefill_tile_map(meta: AttentionMetadata, q: torch.Tensor, num_kv_heads: in
     if tiles is not None and tiles.row_hi > q.shape[0]:
         return None
     return tiles
-
-
-def _triton_available() -> bool:
-    try:
-        import triton  # noqa: F401
-    except ImportError:
-        return False
-    return True
 
 
 _SEQ_LENS_CACHE: list = [None, None, None]  # [meta, device, tensor]: one step's layers share it

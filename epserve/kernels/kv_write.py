@@ -4,20 +4,18 @@ Invariants: ``slot_mapping[t]`` is ``block_id * block_size + offset`` for row t,
 padded row, which writes nothing (CUDA-graph padding relies on it). K/V are cast to the
 cache's dtype.
 
-``write_kv`` runs ``epserve.kernels.kv_write_triton`` (one launch for K and V, CUDA-graph
-capturable: padding is a store mask, not a boolean index) for CUDA tensors, or anywhere while
-``TRITON_INTERPRET=1`` (CPU tests), when triton imports and the layout is one it covers; the
-reference otherwise. ``Attention`` writes through ``rope.apply_qk_norm_rope(..., v=, k_cache=,
-v_cache=, slot_mapping=)`` instead: the same write, fused into the q/k norm + rope launch.
+``write_kv`` runs ``epserve.kernels.triton.kv_write`` (one launch for K and V, CUDA-graph
+capturable: padding is a store mask, not a boolean index) where ``dispatch.use_triton`` says so
+and the layout is one it covers; the reference otherwise. ``Attention`` writes through
+``rope.apply_qk_norm_rope(..., v=, k_cache=, v_cache=, slot_mapping=)`` instead: the same
+write, fused into the q/k norm + rope launch.
 """
 
 from __future__ import annotations
 
-import os
-
 import torch
 
-_TRITON_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+from epserve.kernels.dispatch import DTYPES, use_triton
 
 
 def write_kv_ref(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
@@ -38,30 +36,24 @@ def write_kv(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: t
              slot_mapping: torch.Tensor) -> None:
     """Public entry for ``write_kv_ref`` (same contract); picks the implementation."""
     check_kv_args("write_kv", k, v, k_cache, v_cache, slot_mapping)
-    if _use_triton(k, v, k_cache, v_cache, slot_mapping):
-        from epserve.kernels.kv_write_triton import write_kv_triton
+    if _runs_triton(k, v, k_cache, v_cache, slot_mapping):
+        from epserve.kernels.triton.kv_write import write_kv_triton
 
         write_kv_triton(k, v, k_cache, v_cache, slot_mapping)
         return
     write_kv_ref(k, v, k_cache, v_cache, slot_mapping)
 
 
-def _use_triton(k, v, k_cache, v_cache, slot_mapping) -> bool:
-    """CUDA (or TRITON_INTERPRET=1), triton importable, and dtypes/layouts the kernel covers."""
-    if not (k.is_cuda or os.environ.get("TRITON_INTERPRET") == "1"):
-        return False
+def _runs_triton(k, v, k_cache, v_cache, slot_mapping) -> bool:
+    """``use_triton`` and dtypes/layouts the kernel covers."""
     tensors = (k, v, k_cache, v_cache)
-    if any(t.dtype not in _TRITON_DTYPES or t.stride(-1) != 1 for t in tensors):
+    if any(t.dtype not in DTYPES or t.stride(-1) != 1 for t in tensors):
         return False
     if slot_mapping.dtype not in (torch.int64, torch.int32):
         return False
     if any(t.device != k.device for t in (v, k_cache, v_cache, slot_mapping)):
         return False
-    try:  # lazy: triton is optional; without it every device runs the reference
-        import epserve.kernels.kv_write_triton  # noqa: F401
-    except ImportError:
-        return False
-    return True
+    return use_triton(k)
 
 
 def check_kv_args(name: str, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,

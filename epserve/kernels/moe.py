@@ -7,10 +7,10 @@ sum over all shards' outputs is the full MoE output. Accumulation is in float32.
 
 from __future__ import annotations
 
-import os
-
 import torch
 import torch.nn.functional as F
+
+from epserve.kernels.dispatch import use_triton
 
 
 def fused_moe_ref(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_ids: torch.Tensor,
@@ -39,8 +39,8 @@ def fused_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_ids: to
               topk_weights: torch.Tensor, expert_offset: int = 0) -> torch.Tensor:
     """Public entry for ``fused_moe_ref`` (same contract); checks shapes, picks the implementation.
 
-    Runs ``fused_moe_triton`` for CUDA tensors, or anywhere when ``TRITON_INTERPRET=1`` (the
-    Triton interpreter, for CPU tests); falls back to the reference when triton is missing.
+    Runs ``fused_moe_triton`` (``epserve.kernels.triton.fused_moe``) where
+    ``dispatch.use_triton`` says so, the reference otherwise.
 
     x: [T, H]; w13: [E, 2I, H]; w2: [E, H, I]; topk_ids: [T, K] int64; topk_weights: [T, K]
     float32. Returns [T, H] x.dtype.
@@ -53,11 +53,8 @@ def fused_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_ids: to
     if topk_ids.shape != topk_weights.shape or topk_ids.dim() != 2 or topk_ids.shape[0] != t:
         raise ValueError(f"fused_moe: topk_ids {tuple(topk_ids.shape)} and topk_weights "
                          f"{tuple(topk_weights.shape)} must both be [{t}, K]")
-    if x.is_cuda or os.environ.get("TRITON_INTERPRET") == "1":
-        try:  # lazy: triton is optional; without it every device runs the reference
-            from epserve.kernels.fused_moe_triton import fused_moe_triton
-        except ImportError:
-            fused_moe_triton = None
-        if fused_moe_triton is not None:
-            return fused_moe_triton(x, w13, w2, topk_ids, topk_weights, expert_offset)
+    if use_triton(x):
+        from epserve.kernels.triton.fused_moe import fused_moe_triton
+
+        return fused_moe_triton(x, w13, w2, topk_ids, topk_weights, expert_offset)
     return fused_moe_ref(x, w13, w2, topk_ids, topk_weights, expert_offset)

@@ -5,17 +5,16 @@ exactly as transformers' default rope does; dimension ``i < D/2`` is paired with
 The rotation runs in float32 and returns the inputs' dtype.
 
 ``apply_qk_norm_rope`` (per-head q/k RMSNorm, then rope; optionally this step's paged KV write
-too) runs ``epserve.kernels.rope_triton`` (one launch, in place, CUDA-graph capturable) for CUDA
-tensors, or anywhere while ``TRITON_INTERPRET=1`` (CPU tests), when triton imports and the
-layout is one it covers; the reference (then ``write_kv``) otherwise.
+too) runs ``epserve.kernels.triton.rope`` (one launch, in place, CUDA-graph capturable) where
+``dispatch.use_triton`` says so and the layout is one it covers; the reference (then
+``write_kv``) otherwise.
 """
 
 from __future__ import annotations
 
-import os
-
 import torch
 
+from epserve.kernels.dispatch import DTYPES, use_triton
 from epserve.kernels.kv_write import check_kv_args, write_kv
 from epserve.kernels.norm import rms_norm_ref
 
@@ -110,9 +109,9 @@ def apply_qk_norm_rope(q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor
                          f"(all or none); got only {', '.join(given)}")
     if with_kv:
         check_kv_args("apply_qk_norm_rope", k, v, k_cache, v_cache, slot_mapping)
-    if _use_triton(q, k, positions, cos_cache, sin_cache, q_weight, k_weight,
-                   kv if with_kv else ()):
-        from epserve.kernels.rope_triton import qk_norm_rope_triton
+    if _runs_triton(q, k, positions, cos_cache, sin_cache, q_weight, k_weight,
+                    kv if with_kv else ()):
+        from epserve.kernels.triton.rope import qk_norm_rope_triton
 
         return qk_norm_rope_triton(q, k, positions, cos_cache, sin_cache, q_weight, k_weight, eps,
                                    v=v, k_cache=k_cache, v_cache=v_cache,
@@ -126,29 +125,20 @@ def apply_qk_norm_rope(q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor
     return q, k
 
 
-_TRITON_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
-
-
-def _use_triton(q, k, positions, cos_cache, sin_cache, q_weight, k_weight, kv=()) -> bool:
-    """CUDA (or TRITON_INTERPRET=1), triton importable, and a layout the kernel covers; ``kv``:
-    (v, k_cache, v_cache, slot_mapping) when the KV write is fused in, else empty."""
-    if not (q.is_cuda or os.environ.get("TRITON_INTERPRET") == "1"):
-        return False
-    if (q.dtype not in _TRITON_DTYPES or k.dtype != q.dtype or q.stride(2) != 1
+def _runs_triton(q, k, positions, cos_cache, sin_cache, q_weight, k_weight, kv=()) -> bool:
+    """``use_triton`` and a layout the kernel covers; ``kv``: (v, k_cache, v_cache,
+    slot_mapping) when the KV write is fused in, else empty."""
+    if (q.dtype not in DTYPES or k.dtype != q.dtype or q.stride(2) != 1
             or k.stride(2) != 1 or cos_cache.stride(-1) != 1 or sin_cache.stride(-1) != 1
             or positions.dtype not in (torch.int64, torch.int32)):
         return False
     if kv:
         v, k_cache, v_cache, slot_mapping = kv
-        if (any(x.dtype not in _TRITON_DTYPES or x.stride(-1) != 1 for x in (v, k_cache, v_cache))
+        if (any(x.dtype not in DTYPES or x.stride(-1) != 1 for x in (v, k_cache, v_cache))
                 or slot_mapping.dtype not in (torch.int64, torch.int32)):
             return False
     tensors = [k, positions, cos_cache, sin_cache, *kv] + [w for w in (q_weight, k_weight)
                                                            if w is not None]
     if any(t.device != q.device for t in tensors):
         return False
-    try:  # lazy: triton is optional; without it every device runs the reference
-        import epserve.kernels.rope_triton  # noqa: F401
-    except ImportError:
-        return False
-    return True
+    return use_triton(q)

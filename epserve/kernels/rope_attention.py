@@ -2,19 +2,18 @@
 written into the paged cache, then paged attention over it.
 
 The definition is the two public ops in order, ``rope.apply_qk_norm_rope`` (with the KV write)
-and ``attention.paged_attention``. A pure decode step on the Triton path (CUDA, or anywhere
-under ``TRITON_INTERPRET=1``) with caches in the decode kernel's layout runs both in one
-launch (``rope_decode_triton``); every other step runs the two.
+and ``attention.paged_attention``. A pure decode step on the Triton decode path
+(``attention.use_triton_decode``) with caches in the decode kernel's layout runs both in one
+launch (``epserve.kernels.triton.rope_decode``); every other step runs the two.
 """
 
 from __future__ import annotations
 
 import torch
 
-from epserve.kernels.attention import AttentionMetadata, _use_triton_decode, paged_attention
+from epserve.kernels.attention import AttentionMetadata, paged_attention, use_triton_decode
+from epserve.kernels.dispatch import DTYPES
 from epserve.kernels.rope import apply_qk_norm_rope
-
-_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 
 
 def rope_and_attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positions: torch.Tensor,
@@ -26,7 +25,7 @@ def rope_and_attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positions
     [NB, BS, Hkv, D]; ``meta.slot_mapping`` says where this step's K/V go. Returns the
     attention output [T, Hq, D]."""
     if _fused(q, k_cache, v_cache, meta, sliding_window):
-        from epserve.kernels.rope_decode_triton import rope_paged_decode_triton
+        from epserve.kernels.triton.rope_decode import rope_paged_decode_triton
 
         return rope_paged_decode_triton(q, k, v, positions, cos_cache, sin_cache, q_weight,
                                         k_weight, eps, k_cache, v_cache, meta.slot_mapping,
@@ -40,15 +39,15 @@ def rope_and_attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positions
 def _fused(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
            meta: AttentionMetadata, sliding_window: int | None) -> bool:
     """A pure decode step with device lengths, on the Triton decode path, in its layout."""
-    if meta.seq_lens_t is None or not _use_triton_decode(q, meta):
+    if meta.seq_lens_t is None or not use_triton_decode(q, meta):
         return False
     if sliding_window is not None and not (type(sliding_window) is int and sliding_window >= 1):
         return False
-    if not (q.dtype in _DTYPES and k_cache.dtype == q.dtype == v_cache.dtype
+    if not (q.dtype in DTYPES and k_cache.dtype == q.dtype == v_cache.dtype
             and k_cache.shape == v_cache.shape and k_cache.is_contiguous()
             and v_cache.is_contiguous() and q.shape[2] % 2 == 0):
         return False
     # ``from <module> import name`` reads sys.modules (a test may swap the module).
-    from epserve.kernels.rope_decode_triton import _INTERPRETED
+    from epserve.kernels.triton.rope_decode import INTERPRETED
 
-    return q.is_cuda or _INTERPRETED  # a module compiled for the GPU cannot run on CPU
+    return q.is_cuda or INTERPRETED  # a module compiled for the GPU cannot run on CPU

@@ -24,12 +24,14 @@ token depends only on its own logits and parameters, never on the other rows.
 
 from __future__ import annotations
 
-import os
-
 import torch
 
-MASK32 = 0xFFFFFFFF
-MIX_C1, MIX_C2 = 0x2C1B3C6D, 0x297A2D39  # odd, < 2**31: exact int64 products
+# The hash constants live with the kernel's shared helper; exported here, with the definition.
+from epserve.kernels.dispatch import MASK32, MIX_C1, MIX_C2, check_gumbel_args, use_triton
+
+__all__ = ["MASK32", "MIX_C1", "MIX_C2", "apply_bans", "gumbel_argmax", "gumbel_argmax_ref",
+           "gumbel_from_hash", "gumbel_noise", "mix32", "noise_hash", "uniform_from_hash"]
+
 _CHUNK = 1 << 19  # reference: hash this many entries at a time (stays in cache on CPU)
 
 
@@ -76,20 +78,6 @@ def apply_bans(s: torch.Tensor, banned: torch.Tensor) -> torch.Tensor:
     return s
 
 
-def _check(x, keys, inv_t, noisy, thr, tid, banned) -> None:
-    r = x.shape[0]
-    if x.dim() != 2 or not x.is_floating_point():
-        raise ValueError(f"gumbel_argmax: x must be a 2-D float tensor, got "
-                         f"{tuple(x.shape)} {x.dtype}")
-    for name, t in (("keys", keys), ("inv_t", inv_t), ("noisy", noisy), ("thr", thr), ("tid", tid)):
-        if tuple(t.shape) != (r,):
-            raise ValueError(f"gumbel_argmax: {name} must be [{r}], got {tuple(t.shape)}")
-    if banned.dim() != 2 or banned.shape[0] != r:
-        raise ValueError(f"gumbel_argmax: banned must be [{r}, NB], got {tuple(banned.shape)}")
-    if keys.dtype != torch.int64 or tid.dtype != torch.int64 or banned.dtype != torch.int64:
-        raise ValueError("gumbel_argmax: keys, tid and banned must be int64")
-
-
 def gumbel_argmax_ref(x: torch.Tensor, keys: torch.Tensor, inv_t: torch.Tensor,
                       noisy: torch.Tensor, thr: torch.Tensor, tid: torch.Tensor,
                       banned: torch.Tensor) -> torch.Tensor:
@@ -101,7 +89,7 @@ def gumbel_argmax_ref(x: torch.Tensor, keys: torch.Tensor, inv_t: torch.Tensor,
     hashes only the noisy rows, a cache-sized block of rows at a time; on other devices (no
     triton there) it runs over all rows at once without a host sync. Same result either way.
     """
-    _check(x, keys, inv_t, noisy, thr, tid, banned)
+    check_gumbel_args(x, keys, inv_t, noisy, thr, tid, banned)
     r, v = x.shape
     lazy = x.device.type == "cpu"
     s = x.float() * inv_t.to(torch.float32).unsqueeze(1)
@@ -124,21 +112,12 @@ def gumbel_argmax_ref(x: torch.Tensor, keys: torch.Tensor, inv_t: torch.Tensor,
     return torch.argmax(s, dim=1)
 
 
-def _use_triton(x: torch.Tensor) -> bool:
-    if not (x.is_cuda or os.environ.get("TRITON_INTERPRET") == "1"):
-        return False
-    try:  # lazy: triton is optional; without it every device runs the reference
-        import triton  # noqa: F401
-    except ImportError:
-        return False
-    return True
-
-
 def gumbel_argmax(x: torch.Tensor, keys: torch.Tensor, inv_t: torch.Tensor, noisy: torch.Tensor,
                   thr: torch.Tensor, tid: torch.Tensor, banned: torch.Tensor) -> torch.Tensor:
-    """``gumbel_argmax_ref``'s contract; runs ``gumbel_argmax_triton`` for CUDA tensors, or
-    anywhere when ``TRITON_INTERPRET=1`` (the Triton interpreter, for CPU tests)."""
-    if _use_triton(x):
-        from epserve.kernels.sampling_triton import gumbel_argmax_triton
+    """``gumbel_argmax_ref``'s contract; runs ``gumbel_argmax_triton``
+    (``epserve.kernels.triton.sampling_noise``) where ``dispatch.use_triton`` says so."""
+    if use_triton(x):
+        from epserve.kernels.triton.sampling_noise import gumbel_argmax_triton
+
         return gumbel_argmax_triton(x, keys, inv_t, noisy, thr, tid, banned)
     return gumbel_argmax_ref(x, keys, inv_t, noisy, thr, tid, banned)

@@ -2,36 +2,38 @@
 (run in the Triton interpreter on CPU) bit for bit against it, and sample_rows' properties when
 it dispatches to the kernel.
 
-TRITON_INTERPRET=1 is set while triton and the kernel module are imported (triton.jit picks the
-interpreter at decoration time) and, through the ``interpret`` fixture, while the kernel tests
-run (triton reads it at launch; sample_rows dispatches on it); other modules keep the reference.
+The kernel module is imported in the interpreter (kernel_interp.py); the ``interpret`` fixture
+puts it in sys.modules and sets TRITON_INTERPRET=1 while the kernel tests run (triton reads it
+at launch; sample_rows dispatches on it); other modules keep the reference.
 """
 
 from __future__ import annotations
 
-import importlib.util
 import math
 
 import pytest
 import torch
+from kernel_interp import HAS_TRITON, interpreted_modules, needs_triton, use_interpreted
 
 from epserve.kernels import sampling_noise as sn
 from epserve.models.traits import RowSampling
-from epserve.worker.sampler import _as_int64, mix_seed, sample_rows
-from interp import import_interpreted
+from epserve.worker.sampler import mix_seed, sample_rows
 
-HAS_TRITON = importlib.util.find_spec("triton") is not None
-if HAS_TRITON:
-    st = import_interpreted("epserve.kernels.sampling_triton")
-
-needs_triton = pytest.mark.skipif(not HAS_TRITON, reason="triton is not installed")
+_NAMES = ("sampling_noise",)
+_MODS = interpreted_modules(*_NAMES)
+st, = _MODS
 KEYS = [0, 1, -1, 0x0123456789ABCDEF, -(2 ** 63), 2 ** 63 - 1, 0xDEADBEEF, -(2 ** 32)]
 M32 = 0xFFFFFFFF
 
 
 @pytest.fixture
 def interpret(monkeypatch):
-    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    use_interpreted(monkeypatch, _NAMES, _MODS)
+
+
+def _as_int64(u: int) -> int:
+    """The int64 with the bits of the uint64 ``u`` (how the sampler ships a key)."""
+    return u - (1 << 64) if u >= 1 << 63 else u
 
 
 def _mix32_int(x: int) -> int:
@@ -157,7 +159,7 @@ def test_kernel_edge_rows(interpret):
         st.gumbel_argmax_triton(x, torch.tensor([1, 2]), *args[2:])
 
 
-def test_dispatch(monkeypatch):
+def test_dispatch(monkeypatch, interpret):
     args = _params(4, 50, seed=1)
     calls = []
     monkeypatch.delenv("TRITON_INTERPRET", raising=False)
@@ -190,7 +192,7 @@ def _batch(seed=0):
 
 
 @needs_triton
-def test_sample_rows_same_tokens_on_kernel_and_reference(monkeypatch):
+def test_sample_rows_same_tokens_on_kernel_and_reference(monkeypatch, interpret):
     x, rows, idx = _batch()
     monkeypatch.delenv("TRITON_INTERPRET", raising=False)
     ref = sample_rows(x, rows, idx)

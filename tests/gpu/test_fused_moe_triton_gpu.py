@@ -39,7 +39,7 @@ def _time_ms(fn, iters=20):
 
 @pytest.mark.parametrize("t", [1, 2, 8, 256, 8192])  # pair blocks, layout, torch layout
 def test_bf16_matches_fp32_ref(weights, t):
-    from epserve.kernels.fused_moe_triton import fused_moe_triton
+    from epserve.kernels.triton.fused_moe import fused_moe_triton
     from epserve.kernels.moe import fused_moe_ref
 
     w13, w2 = weights
@@ -53,7 +53,7 @@ def test_bf16_matches_fp32_ref(weights, t):
 
 
 def test_expert_offset_shard_bf16(weights):
-    from epserve.kernels.fused_moe_triton import fused_moe_triton
+    from epserve.kernels.triton.fused_moe import fused_moe_triton
     from epserve.kernels.moe import fused_moe_ref
 
     w13, w2 = weights
@@ -68,11 +68,14 @@ def test_expert_offset_shard_bf16(weights):
 
 @pytest.mark.parametrize("t", [1, 256])
 def test_timing(weights, t):
-    from epserve.kernels.fused_moe_triton import fused_moe_triton
     from epserve.kernels.moe import fused_moe_ref
+    from epserve.kernels.triton.fused_moe import fused_moe_triton
 
     w13, w2 = weights
     x, ids, wts = _route(t, seed=100 + t)
+    got = fused_moe_triton(x, w13, w2, ids, wts)  # what is timed is correct
+    want = fused_moe_ref(x.float(), w13.float(), w2.float(), ids, wts)
+    assert ((got.float() - want).abs().max() / want.abs().max()).item() < 2e-2
     tri = _time_ms(lambda: fused_moe_triton(x, w13, w2, ids, wts))
     ref = _time_ms(lambda: fused_moe_ref(x, w13, w2, ids, wts))
     print(f"fused_moe T={t} bf16: triton {tri:.3f} ms, ref {ref:.3f} ms, speedup {ref / tri:.1f}x")
@@ -82,7 +85,7 @@ def test_timing(weights, t):
 def test_no_host_sync(weights, t):
     import warnings
 
-    from epserve.kernels.fused_moe_triton import fused_moe_triton
+    from epserve.kernels.triton.fused_moe import fused_moe_triton
 
     w13, w2 = weights
     x, ids, wts = _route(t, seed=300 + t)

@@ -70,7 +70,7 @@ def _rope_inputs(t, seed):
 @pytest.mark.parametrize("t", [1, 256])
 def test_rms_norm_bf16(t):
     from epserve.kernels.norm import fused_add_rms_norm_ref, rms_norm_ref
-    from epserve.kernels.norm_triton import fused_add_rms_norm_triton, rms_norm_triton
+    from epserve.kernels.triton.norm import fused_add_rms_norm_triton, rms_norm_triton
 
     g = _gen(t)
     x = torch.randn(t, H, device="cuda", generator=g).to(BF)
@@ -90,7 +90,7 @@ def test_rms_norm_bf16(t):
 @pytest.mark.parametrize("weights", [True, False], ids=["qwen3", "no_qk_norm"])
 def test_qk_norm_rope_bf16(t, weights):
     from epserve.kernels.rope import apply_qk_norm_rope_ref
-    from epserve.kernels.rope_triton import qk_norm_rope_triton
+    from epserve.kernels.triton.rope import qk_norm_rope_triton
 
     qkv, q, k, v = _qkv(t, seed=10 + t)
     positions, cos, sin, qw, kw = _rope_inputs(t, seed=t)
@@ -143,7 +143,7 @@ def test_qk_norm_rope_fused_kv_write_bf16(t, weights):
 @pytest.mark.parametrize("src", [BF, torch.float32], ids=["bf16", "fp32"])
 def test_write_kv_bf16_cache(t, src):
     from epserve.kernels.kv_write import write_kv_ref
-    from epserve.kernels.kv_write_triton import write_kv_triton
+    from epserve.kernels.triton.kv_write import write_kv_triton
 
     _, _, k, v = _qkv(t, seed=20 + t)
     k, v = k.to(src), v.to(src)
@@ -217,11 +217,11 @@ def test_cuda_graph_capture_and_replay(fused):
 @pytest.mark.parametrize("t", [1, 256])
 def test_timing(t):
     from epserve.kernels.kv_write import write_kv_ref
-    from epserve.kernels.kv_write_triton import write_kv_triton
+    from epserve.kernels.triton.kv_write import write_kv_triton
     from epserve.kernels.norm import fused_add_rms_norm_ref, rms_norm_ref
-    from epserve.kernels.norm_triton import fused_add_rms_norm_triton, rms_norm_triton
+    from epserve.kernels.triton.norm import fused_add_rms_norm_triton, rms_norm_triton
     from epserve.kernels.rope import apply_qk_norm_rope_ref
-    from epserve.kernels.rope_triton import qk_norm_rope_triton
+    from epserve.kernels.triton.rope import qk_norm_rope_triton
 
     g = _gen(50 + t)
     x = torch.randn(t, H, device="cuda", generator=g).to(BF)
@@ -236,6 +236,25 @@ def test_timing(t):
     def fused_ref():
         _, rk = apply_qk_norm_rope_ref(q, k, positions, cos, sin, qw, kw)
         write_kv_ref(rk, v, kc, vc, slots)
+
+    # What is timed is correct (on copies: the rope kernels work in place).
+    assert _rel(rms_norm_triton(x, w, 1e-6), rms_norm_ref(x, w, 1e-6)) <= 1e-2
+    (normed, new_res), (ref_normed, ref_res) = (fused_add_rms_norm_triton(x, res, w, 1e-6),
+                                                fused_add_rms_norm_ref(x, res, w, 1e-6))
+    assert _rel(normed, ref_normed) <= 1e-2 and torch.equal(new_res, ref_res)
+    ref_q, ref_k = apply_qk_norm_rope_ref(q, k, positions, cos, sin, qw, kw)
+    q2, k2 = q.clone(), k.clone()
+    kc2, vc2, ref_kc, ref_vc = kc.clone(), vc.clone(), kc.clone(), vc.clone()
+    qk_norm_rope_triton(q2, k2, positions, cos, sin, qw, kw)
+    assert _rel(q2, ref_q) <= 1e-2 and _rel(k2, ref_k) <= 1e-2
+    write_kv_triton(k, v, kc2, vc2, slots)
+    write_kv_ref(k, v, ref_kc, ref_vc, slots)
+    assert torch.equal(kc2, ref_kc) and torch.equal(vc2, ref_vc)
+    q2, k2 = q.clone(), k.clone()
+    qk_norm_rope_triton(q2, k2, positions, cos, sin, qw, kw, v=v, k_cache=kc2, v_cache=vc2,
+                        slot_mapping=slots)
+    write_kv_ref(ref_k, v, ref_kc, ref_vc, slots)
+    assert _rel(kc2, ref_kc) <= 1e-2 and torch.equal(vc2, ref_vc)
 
     cases = {
         "rms_norm": (lambda: rms_norm_triton(x, w, 1e-6), lambda: rms_norm_ref(x, w, 1e-6)),
@@ -264,7 +283,7 @@ def test_qk_norm_rope_kv_timing_prefill(t):
     both cache rows written; ~176 MB at T=8192, ~45 us at 4 TB/s)."""
     from epserve.kernels.kv_write import write_kv_ref
     from epserve.kernels.rope import apply_qk_norm_rope_ref
-    from epserve.kernels.rope_triton import _pick_tile, qk_norm_rope_triton
+    from epserve.kernels.triton.rope import pick_tile, qk_norm_rope_triton
 
     _, q, k, v = _qkv(t, seed=110 + t)
     positions, cos, sin, qw, kw = _rope_inputs(t, seed=120 + t)
@@ -284,6 +303,6 @@ def test_qk_norm_rope_kv_timing_prefill(t):
     assert torch.equal(vc, ref_vc)
     us = _time_us(call, iters=50)  # in place: later calls rotate again, same traffic
     mbytes = t * (2 * (HQ + HKV) + 3 * HKV) * D * 2 / 1e6
-    block_r, warps = _pick_tile(t * (HQ + HKV), D // 2)
+    block_r, warps = pick_tile(t * (HQ + HKV), D // 2)
     print(f"qk_norm_rope+write_kv T={t} bf16 ({block_r} rows x {warps} warps per program): "
           f"{us:.1f} us, {mbytes:.1f} MB, {mbytes / us:.2f} TB/s")

@@ -47,7 +47,7 @@ def _check(got, ref, gw):
 
 @pytest.mark.parametrize("t", [1, 7, 64])
 def test_matches_reference(t):
-    from epserve.kernels.norm_router_triton import add_norm_router_triton
+    from epserve.kernels.triton.norm_router import add_norm_router_triton
 
     x, res, nw, gw = _inputs(t, seed=t)
     got = add_norm_router_triton(x, res, nw, 1e-6, gw, K, True)
@@ -55,10 +55,11 @@ def test_matches_reference(t):
 
 
 def test_graph_replays_repeat():
-    from epserve.kernels.norm_router_triton import add_norm_router_triton
+    from epserve.kernels.triton.norm_router import add_norm_router_triton
 
     x, res, nw, gw = _inputs(1, seed=3)
     first = add_norm_router_triton(x, res, nw, 1e-6, gw, K, True)  # compiles, makes counters
+    _check(first, add_norm_router_ref(x, res, nw, 1e-6, gw, K, True), gw)
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
         out = add_norm_router_triton(x, res, nw, 1e-6, gw, K, True)

@@ -11,9 +11,9 @@ pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUD
 pytest.importorskip("triton")
 
 from epserve.kernels.attention import AttentionMetadata, paged_attention_ref  # noqa: E402
-from epserve.kernels.paged_attention_triton import _INTERPRETED, paged_decode_attention  # noqa: E402
+from epserve.kernels.triton.paged_attention import INTERPRETED, paged_decode_attention  # noqa: E402
 
-if _INTERPRETED:
+if INTERPRETED:
     pytest.skip("TRITON_INTERPRET=1: the kernel would run in the interpreter", allow_module_level=True)
 
 HQ, HKV, D, BS = 32, 4, 128, 16

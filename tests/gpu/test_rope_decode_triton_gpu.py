@@ -49,7 +49,7 @@ def _views(qkv):
 
 
 def _fused(c):
-    from epserve.kernels.rope_decode_triton import rope_paged_decode_triton
+    from epserve.kernels.triton.rope_decode import rope_paged_decode_triton
 
     q, k, v = _views(c["qkv"])
     return rope_paged_decode_triton(q, k, v, c["pos"], c["cos"], c["sin"], c["qw"], c["kw"],
@@ -58,8 +58,8 @@ def _fused(c):
 
 
 def _two(c):
-    from epserve.kernels.paged_attention_triton import paged_decode_attention
-    from epserve.kernels.rope_triton import qk_norm_rope_triton
+    from epserve.kernels.triton.paged_attention import paged_decode_attention
+    from epserve.kernels.triton.rope import qk_norm_rope_triton
 
     q, k, v = _views(c["qkv"])
     qk_norm_rope_triton(q, k, c["pos"], c["cos"], c["sin"], c["qw"], c["kw"], 1e-6, v=v,
@@ -69,6 +69,23 @@ def _two(c):
 
 def _clone(c):
     return {k: v.clone() for k, v in c.items()}
+
+
+def _reference(c):
+    """The torch references of the fused launch: q/k norm + rope, the KV write, attention."""
+    from epserve.kernels.attention import AttentionMetadata, paged_attention_ref
+    from epserve.kernels.kv_write import write_kv_ref
+    from epserve.kernels.rope import apply_qk_norm_rope_ref
+
+    q, k, v = _views(c["qkv"])
+    rq, rk = apply_qk_norm_rope_ref(q, k, c["pos"], c["cos"], c["sin"], c["qw"], c["kw"], 1e-6)
+    kc, vc = c["kc"].clone(), c["vc"].clone()
+    write_kv_ref(rk, v, kc, vc, c["slots"])
+    s = q.shape[0]
+    meta = AttentionMetadata(slot_mapping=c["slots"], query_start_loc=tuple(range(s + 1)),
+                             seq_lens=tuple(c["lens"].tolist()), block_tables=c["tables"],
+                             block_size=BS)
+    return paged_attention_ref(rq, kc, vc, meta, D ** -0.5)
 
 
 @pytest.mark.parametrize("lens", [[37], [5, 300, 17, 1], [(7 * i) % 290 + 2 for i in range(64)]],
@@ -96,6 +113,8 @@ def _graph_us(fn) -> float:
 
 def test_graph_timing_at_batch_1():
     c = _case([200], seed=3)
+    got, ref = _fused(_clone(c)), _reference(c)  # what is timed is correct
+    assert ((got.float() - ref.float()).abs().max() / ref.float().abs().max()).item() < 2e-2
     fused_us = _graph_us(lambda: _fused(c))
     two_us = _graph_us(lambda: _two(c))
     print(f"\nbatch 1, 200 positions: fused {fused_us:.2f} us per replay, two launches "

@@ -50,7 +50,7 @@ def _time_us(fn, iters=200):
 @pytest.mark.parametrize("t", [1, 256, 4096])
 def test_bf16_matches_ref(t, renorm):
     from epserve.kernels.router import topk_softmax, topk_softmax_ref
-    from epserve.kernels.router_triton import topk_softmax_triton
+    from epserve.kernels.triton.router import topk_softmax_triton
 
     logits = _logits(t, seed=t)
     ref = topk_softmax_ref(logits, K, renorm)
@@ -62,7 +62,7 @@ def test_bf16_matches_ref(t, renorm):
 @pytest.mark.parametrize("e,k", [(60, 4), (512, 8)])
 def test_other_dtypes_and_widths(dtype, e, k):
     from epserve.kernels.router import topk_softmax_ref
-    from epserve.kernels.router_triton import topk_softmax_triton
+    from epserve.kernels.triton.router import topk_softmax_triton
 
     logits = _logits(300, seed=e, e=e, dtype=dtype)
     _check(topk_softmax_triton(logits, k, True), topk_softmax_ref(logits, k, True))
@@ -70,7 +70,7 @@ def test_other_dtypes_and_widths(dtype, e, k):
 
 def test_exact_ties_bf16():
     from epserve.kernels.router import topk_softmax_ref
-    from epserve.kernels.router_triton import topk_softmax_triton
+    from epserve.kernels.triton.router import topk_softmax_triton
 
     g = torch.Generator(device="cuda").manual_seed(1)
     logits = torch.randint(-2, 3, (512, E), device="cuda", generator=g).bfloat16()
@@ -95,9 +95,10 @@ def test_cuda_graph_capture_and_replay():
 @pytest.mark.parametrize("t", [1, 256, 4096])
 def test_timing(t):
     from epserve.kernels.router import topk_softmax_ref
-    from epserve.kernels.router_triton import topk_softmax_triton
+    from epserve.kernels.triton.router import topk_softmax_triton
 
     logits = _logits(t, seed=100 + t)
+    _check(topk_softmax_triton(logits, K, True), topk_softmax_ref(logits, K, True))
     tri = _time_us(lambda: topk_softmax_triton(logits, K, True))
     ref = _time_us(lambda: topk_softmax_ref(logits, K, True))
     today = _time_us(lambda: _today(logits, K, True))

@@ -60,7 +60,7 @@ def _logits(seed: int = 0) -> torch.Tensor:
 
 def test_noise_bits_equal_cpu_reference():
     from epserve.kernels import sampling_noise as sn
-    from epserve.kernels.sampling_triton import noise_triton
+    from epserve.kernels.triton.sampling_noise import noise_triton
 
     keys = _keys(16)
     h, g = noise_triton(keys.cuda(), V)
@@ -74,7 +74,7 @@ def test_noise_bits_equal_cpu_reference():
 
 def test_kernel_draw_equals_cpu_reference():
     from epserve.kernels import sampling_noise as sn
-    from epserve.kernels.sampling_triton import gumbel_argmax_triton
+    from epserve.kernels.triton.sampling_noise import gumbel_argmax_triton
 
     r, v = 64, V
     g = torch.Generator().manual_seed(1)

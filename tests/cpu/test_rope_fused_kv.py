@@ -1,31 +1,24 @@
-"""q/k norm + rope with the paged KV write fused in (Triton interpreter on CPU) vs the refs.
+"""q/k norm + rope with the paged KV write fused in (Triton interpreter on CPU) vs the refs, and
+the rope kernel's tiling; the rest of the rope op's tests are in test_rope.py.
 
 The definition is ``apply_qk_norm_rope_ref`` then ``write_kv_ref`` of the rotated k and v.
-Tolerances: q, k and the cache against that definition as test_norm_rope_kv_triton.py (fp32
+Tolerances: q, k and the cache against that definition as test_rope.py (fp32
 atol/rtol 1e-5, fp16 2e-3: the rotation may round differently by one ulp); the cache against
 ``write_kv_ref`` of the kernel's own rotated k must be exact (a copy plus a dtype cast), and
 rows whose slot is not written (slot -1 padding, unused slots) must stay bit for bit.
-TRITON_INTERPRET=1 is set while the kernel module is imported (tests/interp.py) and, through an
-autouse fixture, while each test runs; the interpreted module is then dropped from sys.modules
-(the fixture puts it back per test) so a later CUDA import compiles it for real.
+Every test runs the kernel module in the interpreter (kernel_interp.py: imported with
+TRITON_INTERPRET=1, put in sys.modules for each test by an autouse fixture).
 """
 
 from __future__ import annotations
 
 import importlib.util
-import sys
 
 import pytest
+from kernel_interp import HAS_TRITON, PKG, interpreted_modules, use_interpreted
 
-if importlib.util.find_spec("triton") is None:
+if not HAS_TRITON:
     pytest.skip("triton is not installed", allow_module_level=True)
-
-from interp import import_interpreted  # noqa: E402
-
-_RT = "epserve.kernels.rope_triton"
-sys.modules.pop(_RT, None)
-rt = import_interpreted(_RT)
-sys.modules.pop(_RT, None)
 
 import torch  # noqa: E402
 
@@ -33,7 +26,10 @@ from epserve.kernels.kv_write import write_kv_ref  # noqa: E402
 from epserve.kernels.rope import (apply_qk_norm_rope, apply_qk_norm_rope_ref,  # noqa: E402
                                   build_rope_cache)
 
-assert rt._INTERPRETED
+_NAMES = ("rope",)
+_MODS = interpreted_modules(*_NAMES)
+rt, = _MODS
+assert rt.INTERPRETED
 
 TOL = {torch.float32: dict(atol=1e-5, rtol=1e-5), torch.float16: dict(atol=2e-3, rtol=2e-3)}
 DTYPES = pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=["fp32", "fp16"])
@@ -42,8 +38,7 @@ OTHER = {torch.float32: torch.float16, torch.float16: torch.float32}  # a cache 
 
 @pytest.fixture(autouse=True)
 def _interpret(monkeypatch):
-    monkeypatch.setenv("TRITON_INTERPRET", "1")
-    monkeypatch.setitem(sys.modules, _RT, rt)  # what apply_qk_norm_rope imports
+    use_interpreted(monkeypatch, _NAMES, _MODS)  # rt is what apply_qk_norm_rope imports
 
 
 def _case(t, hq, hkv, d, dtype, cache_dtype, seed, nb=4, bs=4, layout="contiguous"):
@@ -219,12 +214,12 @@ def test_fused_kv_bad_inputs():
 def test_tile_choice():
     """Qwen3-30B-A3B (32 + 4 heads, D=128): 8 heads on 2 warps while decoding, 16 heads on 4
     warps for a long prefill; fewer, fatter programs than one per (token, head)."""
-    assert rt._pick_tile(1 * 36, 64) == (8, 2)
-    assert rt._pick_tile(256 * 36, 64) == (8, 2)
-    assert rt._pick_tile(8192 * 36, 64) == (16, 4)
-    assert rt._pick_tile(8192 * 36, 128) == (8, 4)  # D=256: as many elements per program
-    assert rt._pick_tile(1, 8) == (32, 1)  # tiny heads: capped rows
-    assert rt._pick_tile(10**6, 4096) == (1, 8)  # huge heads: one row, capped warps
+    assert rt.pick_tile(1 * 36, 64) == (8, 2)
+    assert rt.pick_tile(256 * 36, 64) == (8, 2)
+    assert rt.pick_tile(8192 * 36, 64) == (16, 4)
+    assert rt.pick_tile(8192 * 36, 128) == (8, 4)  # D=256: as many elements per program
+    assert rt.pick_tile(1, 8) == (32, 1)  # tiny heads: capped rows
+    assert rt.pick_tile(10**6, 4096) == (1, 8)  # huge heads: one row, capped warps
 
 
 def _gappy_case(t, hq, hkv, d, dtype, seed):
@@ -244,7 +239,7 @@ def _gappy_case(t, hq, hkv, d, dtype, seed):
                          ids=lambda s: "T{}Hq{}Hkv{}D{}".format(*s))
 def test_tiled_fused_matches_ref(shape, block_r, dtype, monkeypatch):
     """Forced tiles over fused-qkv views (strided), padded slots, a cache of another dtype."""
-    monkeypatch.setattr(rt, "_pick_tile", lambda rows, half_p: (block_r, 1))
+    monkeypatch.setattr(rt, "pick_tile", lambda rows, half_p: (block_r, 1))
     _, q, k, v, pos, cos, sin, qw, kw, kc, vc, slots = _case(*shape, dtype, OTHER[dtype],
                                                              seed=sum(shape) + block_r,
                                                              nb=8, bs=4)
@@ -257,7 +252,7 @@ def test_tiled_fused_matches_ref(shape, block_r, dtype, monkeypatch):
 def test_tiled_gappy_views(kv, weights, block_r, monkeypatch):
     """q, k, v with token and head strides unlike dense, int32 positions and slots: every
     element outside q and k (the gaps, v, the spare rows past T) stays bit for bit."""
-    monkeypatch.setattr(rt, "_pick_tile", lambda rows, half_p: (block_r, 1))
+    monkeypatch.setattr(rt, "pick_tile", lambda rows, half_p: (block_r, 1))
     t, hq, hkv, d = 5, 7, 3, 16
     base, q, k, v = _gappy_case(t, hq, hkv, d, torch.float32, seed=40 + block_r)
     *_, pos, cos, sin, qw, kw, kc, vc, slots = _case(t, hq, hkv, d, torch.float32,
@@ -281,11 +276,11 @@ def test_tiled_gappy_views(kv, weights, block_r, monkeypatch):
 @pytest.mark.parametrize("regime", ["small", "large"])
 @pytest.mark.parametrize("t", [1, 3, 17])
 def test_real_tiles_head_dim_128(t, regime, monkeypatch):
-    """The tiles _pick_tile really picks at D=128 (8 and 16 rows), with Hq=12 and Hkv=3 (not
+    """The tiles pick_tile really picks at D=128 (8 and 16 rows), with Hq=12 and Hkv=3 (not
     multiples of either), T=1 (the k tile mostly past T), all rows padded but two."""
     if regime == "large":
         monkeypatch.setattr(rt, "_LARGE_MIN_ROWS", 0)
-    assert rt._pick_tile(t * 15, 64)[0] == (16 if regime == "large" else 8)
+    assert rt.pick_tile(t * 15, 64)[0] == (16 if regime == "large" else 8)
     _, q, k, v, pos, cos, sin, qw, kw, kc, vc, _ = _case(t, 12, 3, 128, torch.float16,
                                                          torch.float16, seed=50 + t, nb=8, bs=4)
     slots = torch.full((t,), -1)
@@ -297,7 +292,7 @@ def test_real_tiles_head_dim_128(t, regime, monkeypatch):
 
 def test_tiled_q_or_k_without_heads(monkeypatch):
     """Hkv = 0 (no k programs) or Hq = 0 (only k programs): the other tensor alone is done."""
-    monkeypatch.setattr(rt, "_pick_tile", lambda rows, half_p: (4, 1))
+    monkeypatch.setattr(rt, "pick_tile", lambda rows, half_p: (4, 1))
     for hq, hkv in ((5, 0), (0, 3)):
         q, k = torch.randn(6, hq, 16), torch.randn(6, hkv, 16)
         pos = torch.randint(0, 64, (6,))
@@ -314,10 +309,10 @@ def test_per_step_ints_not_specialized(monkeypatch):
     (== 1, multiple of 16), or a new class of T met mid-run would compile again. Checked on a
     private, non-interpreted copy of the module (defining kernels needs no GPU)."""
     monkeypatch.delenv("TRITON_INTERPRET")
-    spec = importlib.util.find_spec(_RT)
+    spec = importlib.util.find_spec(f"{PKG}.rope")
     mod = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(mod)
-    assert not mod._INTERPRETED
+    assert not mod.INTERPRETED
     kernel = mod._qk_norm_rope_kernel
     assert {p.name for p in kernel.params if p.do_not_specialize} == {"num_k_programs",
                                                                        "num_tokens"}

@@ -24,7 +24,8 @@ import torch
 import triton
 import triton.language as tl
 
-from epserve.kernels.wrapper_checks import check_paged_inputs
+from epserve.kernels.dispatch import check_paged_inputs, interpreted
+
 _MAP_COLS = 4  # row_start, n_rows, pos0, seq
 
 
@@ -161,7 +162,7 @@ def _paged_prefill_kernel(
 
 # triton.jit picks the interpreter from TRITON_INTERPRET when this module is imported; the
 # interpreter (numpy >= 2.4) needs the while-loop form of the KV loops.
-_INTERPRETED = type(_paged_prefill_kernel).__name__ == "InterpretedFunction"
+INTERPRETED = interpreted(_paged_prefill_kernel)
 
 
 def _next_pow2(n: int) -> int:
@@ -273,7 +274,7 @@ def paged_prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         float(scale) * 1.4426950408889634, int(sliding_window or 0), bs, hkv,
         GROUP=group, GROUP_P=group_p, TOK=tile_map.tok, D=d, D_P=d_p, BLOCK_N=block_n,
-        HAS_WINDOW=sliding_window is not None, PRECISION=precision, WHILE_LOOP=_INTERPRETED,
+        HAS_WINDOW=sliding_window is not None, PRECISION=precision, WHILE_LOOP=INTERPRETED,
         num_warps=num_warps or (8 if block_m >= 128 else 4), num_stages=num_stages or 2,
     )
     return out

@@ -20,10 +20,9 @@ import torch
 import triton
 import triton.language as tl
 
-from epserve.kernels.wrapper_checks import check_devices
+from epserve.kernels.dispatch import DTYPES, MAX_NORM_H, check_devices, interpreted
 
-MAX_H = 8192
-_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+MAX_H = MAX_NORM_H
 
 
 @triton.jit
@@ -48,7 +47,7 @@ def _rms_norm_kernel(x_ptr, r_ptr, w_ptr, out_ptr, res_out_ptr,
 
 
 # triton.jit picks the interpreter from TRITON_INTERPRET when this module is imported.
-_INTERPRETED = type(_rms_norm_kernel).__name__ == "InterpretedFunction"
+INTERPRETED = interpreted(_rms_norm_kernel)
 
 
 def _rows(t: torch.Tensor) -> torch.Tensor:
@@ -65,15 +64,15 @@ def _check(name: str, x: torch.Tensor, weight: torch.Tensor,
     h = x.shape[-1]
     if not 1 <= h <= MAX_H:
         raise ValueError(f"{name}: hidden size {h} outside [1, {MAX_H}]")
-    if x.dtype not in _DTYPES or weight.dtype not in _DTYPES:
-        raise ValueError(f"{name}: x {x.dtype} and weight {weight.dtype} must be in {_DTYPES}")
+    if x.dtype not in DTYPES or weight.dtype not in DTYPES:
+        raise ValueError(f"{name}: x {x.dtype} and weight {weight.dtype} must be in {DTYPES}")
     tensors = [x, weight]
     if residual is not None:
         if residual.shape != x.shape or residual.dtype != x.dtype:
             raise ValueError(f"{name}: residual {tuple(residual.shape)} {residual.dtype} must "
                              f"match x {tuple(x.shape)} {x.dtype}")
         tensors.append(residual)
-    check_devices(name, tensors, _INTERPRETED, "epserve.kernels.norm_triton")
+    check_devices(name, tensors, INTERPRETED, "epserve.kernels.triton.norm")
 
 
 def _launch(x2, r2, weight, out2, res2, eps: float) -> None:

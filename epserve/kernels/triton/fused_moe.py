@@ -4,7 +4,7 @@ Same contract as ``epserve.kernels.moe.fused_moe_ref`` (the definition):
 x [T, H]; w13 [E, 2I, H] (gate rows then up rows); w2 [E, H, I]; topk_ids [T, K] GLOBAL expert
 ids; topk_weights [T, K]; ids outside ``[expert_offset, expert_offset + E)`` contribute zero.
 
-Pipeline: ``moe_align`` (moe_align_triton.py) sorts the flat (token, k) pairs ``p = t * K + k`` by local expert and pads
+Pipeline: ``moe_align`` (moe_align.py) sorts the flat (token, k) pairs ``p = t * K + k`` by local expert and pads
 each expert's group to a multiple of ``block_m`` with the sentinel ``T * K``; GEMM 1 gathers rows
 ``x[p // K]`` and writes ``silu(gate) * up`` ([P, I], x.dtype, in sorted order); GEMM 2 reads that
 intermediate, multiplies by the routing weight and scatters rows in x.dtype to ``y[p]`` (each pair's
@@ -21,7 +21,8 @@ import torch
 import triton
 import triton.language as tl
 
-from epserve.kernels.moe_align_triton import moe_align, moe_align_torch
+from epserve.kernels.dispatch import DTYPES
+from epserve.kernels.triton.moe_align import moe_align, moe_align_torch
 
 #: Up to this many (token, k) pairs the layout comes from the one-program Triton ``moe_align``
 #: (one launch: decode steps, which CUDA graphs capture, stay far below it). Above it (prefill
@@ -123,8 +124,6 @@ def _combine_kernel(y_ptr, ids_ptr, out_ptr, h, num_local, expert_offset,
     tl.store(out_ptr + t * h + cols, acc.to(out_ptr.dtype.element_ty), mask=mask)
 
 
-_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
-
 
 @dataclass(frozen=True)
 class MoeTiles:
@@ -163,10 +162,9 @@ def default_tiles(num_pairs: int, num_local: int, h: int, inter: int,
                   elem_bytes: int = 2) -> MoeTiles:
     """Tiles from the mean pairs per expert if routing were uniform (no sync). ``block_m``
     covers the mean plus three standard deviations (Poisson), so most experts fit one block
-    and their weights are streamed once. Per regime, the best of ``bench/moe_tiles.py`` at the
-    Qwen3-30B-A3B layer on one H200 (2026-12-03, bf16; see bench/RESULTS.md):
-    decode (<= 16 rows per expert, T=1: 33.5 -> 28.4 us), mid (T=256: 0.405 -> 0.399 ms) and
-    prefill (T=8192: 3.09 -> 2.43 ms). ``elem_bytes`` 4 (fp32) halves block_k so the
+    and their weights are streamed once. Three regimes, decode (<= 16 rows per expert), mid
+    (<= 64) and prefill, each with the launch shape ``bench/moe_tiles.py`` found best for it
+    (bench/RESULTS.md, "Kernel tuning history"). ``elem_bytes`` 4 (fp32) halves block_k so the
     pipelined tiles still fit in shared memory.
     """
     avg = num_pairs / max(num_local, 1)
@@ -233,8 +231,8 @@ def fused_moe_triton(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_
     if not topk_weights.is_floating_point():
         raise ValueError(f"fused_moe_triton: topk_weights must be floating, got "
                          f"{topk_weights.dtype}")
-    if x.dtype not in _DTYPES or w13.dtype != x.dtype or w2.dtype != x.dtype:
-        raise ValueError(f"fused_moe_triton: x, w13, w2 must share one of {_DTYPES}, got "
+    if x.dtype not in DTYPES or w13.dtype != x.dtype or w2.dtype != x.dtype:
+        raise ValueError(f"fused_moe_triton: x, w13, w2 must share one of {DTYPES}, got "
                          f"{x.dtype}, {w13.dtype}, {w2.dtype}")
     if not (w13.is_contiguous() and w2.is_contiguous()):
         raise ValueError("fused_moe_triton: w13 and w2 must be contiguous")

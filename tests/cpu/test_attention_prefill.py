@@ -1,4 +1,6 @@
-"""Triton paged prefill attention under TRITON_INTERPRET=1 equals ``paged_attention_ref``.
+"""The Triton paged prefill attention kernel (interpreter on CPU) equals ``paged_attention_ref``,
+and ``paged_attention`` picks it for every batch that is not pure decode (the rest of the
+attention op's tests are in test_attention.py).
 
 Mixed batches (full prefills, chunks starting mid-sequence, decode rows, empty sequences,
 padded rows) over random caches and scattered block tables; fp32 to 1e-4 and fp16 to 2e-3.
@@ -6,40 +8,22 @@ padded rows) over random caches and scattered block tables; fp32 to 1e-4 and fp1
 
 from __future__ import annotations
 
-import os
-import sys
-
 import pytest
-import torch
+from kernel_interp import HAS_TRITON, interpreted_modules, use_interpreted
 
-# triton.jit reads TRITON_INTERPRET when a kernel is defined, so set it around the import below;
-# restore it afterwards so later test modules keep the torch reference path, and drop the
-# interpreted module from sys.modules so a later CUDA import compiles it for real.
-_MOD = "epserve.kernels.paged_prefill_triton"
-_DECODE_MOD = "epserve.kernels.paged_attention_triton"  # pure decode batches dispatch to it
-_PREV_INTERPRET = os.environ.get("TRITON_INTERPRET")
-_PREV_DECODE = sys.modules.get(_DECODE_MOD)
-os.environ["TRITON_INTERPRET"] = "1"
-try:
-    pytest.importorskip("triton")
-    sys.modules.pop(_MOD, None)
-    sys.modules.pop(_DECODE_MOD, None)
-    import epserve.kernels.paged_prefill_triton as ppt
-    import epserve.kernels.paged_attention_triton as pdt
-finally:
-    if _PREV_INTERPRET is None:
-        os.environ.pop("TRITON_INTERPRET", None)
-    else:
-        os.environ["TRITON_INTERPRET"] = _PREV_INTERPRET
-    sys.modules.pop(_MOD, None)
-    sys.modules.pop(_DECODE_MOD, None)
-    if _PREV_DECODE is not None:
-        sys.modules[_DECODE_MOD] = _PREV_DECODE
+if not HAS_TRITON:
+    pytest.skip("triton is not installed", allow_module_level=True)
+
+import torch  # noqa: E402
 
 from epserve.kernels import attention  # noqa: E402
 from epserve.kernels.attention import AttentionMetadata, paged_attention, paged_attention_ref  # noqa: E402
 
-assert ppt._INTERPRETED and pdt._INTERPRETED
+# The prefill kernel, and the decode kernel that pure decode batches dispatch to, interpreted.
+_NAMES = ("paged_prefill", "paged_attention")
+_MODS = interpreted_modules(*_NAMES)
+ppt, pdt = _MODS
+assert ppt.INTERPRETED and pdt.INTERPRETED
 CPU = torch.device("cpu")
 ATOL = {torch.float32: 1e-4, torch.float16: 2e-3}
 
@@ -48,9 +32,7 @@ ATOL = {torch.float32: 1e-4, torch.float16: 2e-3}
 def _interpret_env(monkeypatch):
     """TRITON_INTERPRET=1 and this module's interpreted kernels for paged_attention's imports
     (another test module may have imported a compiled copy of the decode kernel)."""
-    monkeypatch.setenv("TRITON_INTERPRET", "1")
-    monkeypatch.setitem(sys.modules, _MOD, ppt)
-    monkeypatch.setitem(sys.modules, _DECODE_MOD, pdt)
+    use_interpreted(monkeypatch, _NAMES, _MODS)
 
 
 def _case(seed, lens, ns, hq, hkv, d, bs, dtype, pad=0):

@@ -1,5 +1,6 @@
-"""Decode attention with its q/k norm + rope + KV-write prologue in one launch (Triton
-interpreter on CPU) against its definition: the two launches it replaces.
+"""The attention core of a layer (``rope_and_attend``): decode attention with its q/k norm +
+rope + KV-write prologue in one launch (Triton interpreter on CPU) against its definition, the
+two launches it replaces.
 
 Exact where the work is the same code: q and k (normed and rotated in place) and both caches
 bit for bit against ``qk_norm_rope_triton`` with the KV write; the attention output to float
@@ -11,24 +12,11 @@ and 4, a padding row (slot -1, one position), a sliding window, bad arguments.
 
 from __future__ import annotations
 
-import importlib.util
-import sys
-
 import pytest
+from kernel_interp import HAS_TRITON, interpreted_modules, use_interpreted
 
-if importlib.util.find_spec("triton") is None:
+if not HAS_TRITON:
     pytest.skip("triton is not installed", allow_module_level=True)
-
-from interp import import_interpreted  # noqa: E402
-
-_MODS = ("epserve.kernels.rope_decode_triton", "epserve.kernels.paged_attention_triton",
-         "epserve.kernels.rope_triton")
-for _m in _MODS:
-    sys.modules.pop(_m, None)
-rd = import_interpreted(_MODS[0])
-pa, rt = sys.modules[_MODS[1]], sys.modules[_MODS[2]]
-for _m in _MODS:
-    sys.modules.pop(_m, None)
 
 import torch  # noqa: E402
 
@@ -36,13 +24,17 @@ from epserve.kernels.attention import AttentionMetadata, paged_attention_ref  # 
 from epserve.kernels.kv_write import write_kv_ref  # noqa: E402
 from epserve.kernels.rope import apply_qk_norm_rope_ref, build_rope_cache  # noqa: E402
 
-assert rd._INTERPRETED and pa._INTERPRETED and rt._INTERPRETED
+_NAMES = ("rope_decode", "paged_attention", "rope")
+_MODS = interpreted_modules(*_NAMES)
+rd, pa, rt = _MODS
+assert rd.INTERPRETED and pa.INTERPRETED and rt.INTERPRETED
+assert rd.paged_decode_kernel is pa.paged_decode_kernel  # the fused launch runs these copies
 TOL = {torch.float32: dict(atol=1e-5, rtol=1e-5), torch.float16: dict(atol=2e-3, rtol=2e-3)}
 
 
 @pytest.fixture(autouse=True)
 def _interpret(monkeypatch):
-    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    use_interpreted(monkeypatch, _NAMES, _MODS)
 
 
 def _case(lens, hq, hkv, d, dtype, seed, bs=4, pad_row=None):
@@ -142,8 +134,6 @@ def test_attention_layer_entry_takes_one_launch_for_a_pure_decode_step(monkeypat
     decode step with device lengths, the two launches otherwise; same results either way."""
     from epserve.kernels.rope_attention import rope_and_attend
 
-    for name, mod in zip(_MODS, (rd, pa, rt)):
-        monkeypatch.setitem(sys.modules, name, mod)
     calls = []
     fused = rd.rope_paged_decode_triton
     monkeypatch.setattr(rd, "rope_paged_decode_triton",

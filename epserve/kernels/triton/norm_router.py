@@ -24,16 +24,15 @@ import torch
 import triton
 import triton.language as tl
 
-from epserve.kernels.router import MAX_FUSED_TOKENS, MAX_TRITON_EXPERTS
-from epserve.kernels.router_triton import softmax_topk_tile
-from epserve.kernels.wrapper_checks import check_devices
+from epserve.kernels.dispatch import (DTYPES, MAX_FUSED_TOKENS, MAX_NORM_H, MAX_TRITON_EXPERTS,
+                                      check_devices, interpreted)
+from epserve.kernels.triton.router import softmax_topk_tile
 
-MAX_H = 8192
-# BLOCK_E * BLOCK_H per program: 2 router rows (8 KB bf16) at H=2048, 64 programs of one warp.
-# Cold-L2 sweep on the H200 (2026-12-03, H=2048, E=128): block_e 2 / 1 warp 6.7 us; 4 / 4
-# warps 10.5 us; 8 / 4 warps 12.0 us; more warps per program only add cross-warp reductions.
+MAX_H = MAX_NORM_H
+# BLOCK_E * BLOCK_H per program: 2 router rows (8 KB bf16) at H=2048, 64 programs of one warp
+# (the best of a sweep, bench/RESULTS.md "Kernel tuning history"); more warps per program
+# only add cross-warp reductions.
 _W_TILE_ELEMS = 4096
-_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 _COUNTERS: dict[torch.device, torch.Tensor] = {}
 
 
@@ -87,7 +86,7 @@ def _norm_router_kernel(x_ptr, r_ptr, nw_ptr, gw_ptr, out_ptr, res_out_ptr, logi
         tl.atomic_xchg(count_ptr + t, 0)
 
 
-_INTERPRETED = type(_norm_router_kernel).__name__ == "InterpretedFunction"
+INTERPRETED = interpreted(_norm_router_kernel)
 
 
 def _counters(device: torch.device) -> torch.Tensor:
@@ -127,8 +126,8 @@ def add_norm_router_triton(x: torch.Tensor, residual: torch.Tensor, norm_weight:
         raise ValueError(f"{name}: top_k must be an int in [1, E={e}], got {top_k!r}")
     if e > MAX_TRITON_EXPERTS:
         raise ValueError(f"{name}: at most {MAX_TRITON_EXPERTS} experts, got E={e}")
-    if x.dtype not in _DTYPES or router_weight.dtype != x.dtype or norm_weight.dtype not in _DTYPES:
-        raise ValueError(f"{name}: x {x.dtype} (one of {_DTYPES}), router_weight "
+    if x.dtype not in DTYPES or router_weight.dtype != x.dtype or norm_weight.dtype not in DTYPES:
+        raise ValueError(f"{name}: x {x.dtype} (one of {DTYPES}), router_weight "
                          f"{router_weight.dtype} must match it, norm_weight {norm_weight.dtype}")
     if not (x.is_contiguous() and residual.is_contiguous() and router_weight.is_contiguous()
             and norm_weight.is_contiguous()):
@@ -138,8 +137,8 @@ def add_norm_router_triton(x: torch.Tensor, residual: torch.Tensor, norm_weight:
         raise ValueError(f"{name}: row_slots {tuple(row_slots.shape)} {row_slots.dtype} must be "
                          f"[{t}] int32 or int64")
     check_devices(name, [x, residual, norm_weight, router_weight]
-                  + ([] if row_slots is None else [row_slots]), _INTERPRETED,
-                  "epserve.kernels.norm_router_triton")
+                  + ([] if row_slots is None else [row_slots]), INTERPRETED,
+                  "epserve.kernels.triton.norm_router")
     block_h = triton.next_power_of_2(h)
     if block_e is None:
         block_e = max(1, min(triton.next_power_of_2(e), _W_TILE_ELEMS // block_h))

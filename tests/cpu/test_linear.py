@@ -7,33 +7,26 @@ fp16 within one unit in the last place of the output scale.
 
 from __future__ import annotations
 
-import importlib.util
-import sys
-
 import pytest
+from kernel_interp import HAS_TRITON, interpreted_modules, use_interpreted
 
-if importlib.util.find_spec("triton") is None:
+if not HAS_TRITON:
     pytest.skip("triton is not installed", allow_module_level=True)
-
-from interp import import_interpreted  # noqa: E402
-
-_MOD = "epserve.kernels.linear_triton"
-sys.modules.pop(_MOD, None)  # a fresh interpreted copy, dropped again after the import
-lt = import_interpreted(_MOD)
-sys.modules.pop(_MOD, None)
 
 import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
 from epserve.kernels.linear import linear, linear_ref  # noqa: E402
 
-assert type(lt._gemv_kernel).__name__ == "InterpretedFunction"
+_NAMES = ("linear",)
+_MODS = interpreted_modules(*_NAMES)
+lt, = _MODS
+assert lt.INTERPRETED and type(lt._gemv_kernel).__name__ == "InterpretedFunction"
 
 
 @pytest.fixture(autouse=True)
 def _interpret(monkeypatch):
-    monkeypatch.setenv("TRITON_INTERPRET", "1")
-    monkeypatch.setitem(sys.modules, _MOD, lt)
+    use_interpreted(monkeypatch, _NAMES, _MODS)
 
 
 @pytest.mark.parametrize("n,k,bn,bk", [(64, 128, None, None), (37, 96, 8, 32), (5, 300, 4, 64),

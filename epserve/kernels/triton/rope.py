@@ -17,15 +17,15 @@ writes nothing. Valid slots must be ``< NB * BS`` and distinct (not checked: dev
 Grid: one program per BLOCK_R consecutive (token, head) rows of k, then of q (a program never
 mixes the two tensors; its rows may span tokens, and the last one may run past T, masked), so
 any step is a single launch. BLOCK_R and the warps are picked on the host from T * (Hq + Hkv)
-and D alone (``_pick_tile``; no device reads, fixed per CUDA-graph size): 8 heads of D=128 on 2
+and D alone (``pick_tile``; no device reads, fixed per CUDA-graph size): 8 heads of D=128 on 2
 warps for decode-sized steps, 16 on 4 warps for long prefills, where one tiny program per
-(token, head) left the GPU short of loads in flight (block-count bound, ~4x below bandwidth).
-The reduction order of the sum of squares may differ with the tile; every cast point is as
-above. Each program reads its rows' two halves, then overwrites them; rows never overlap, so
-the in-place update is race free; a k program also writes its rows' K and V cache rows. q, k
-and v may be strided views (e.g. slices of one fused qkv projection output viewed as
-[T, H, D]): any token (row) stride and head stride, last dim contiguous; the caches need a
-contiguous last dim (block, offset and head strides free).
+(token, head) left the GPU short of loads in flight (block-count bound; bench/RESULTS.md,
+"Kernel tuning history"). The reduction order of the sum of squares may differ with the tile;
+every cast point is as above. Each program reads its rows' two halves, then overwrites them;
+rows never overlap, so the in-place update is race free; a k program also writes its rows' K
+and V cache rows. q, k and v may be strided views (e.g. slices of one fused qkv projection
+output viewed as [T, H, D]): any token (row) stride and head stride, last dim contiguous; the
+caches need a contiguous last dim (block, offset and head strides free).
 CUDA-graph capturable: no host syncs, no allocation; the padding skip is a store mask.
 """
 
@@ -35,13 +35,11 @@ import torch
 import triton
 import triton.language as tl
 
-from epserve.kernels.wrapper_checks import check_devices, check_kv_write_inputs
-
-_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+from epserve.kernels.dispatch import DTYPES, check_devices, check_kv_write_inputs, interpreted
 
 
 @triton.jit
-def _norm_rope_rows(ptrs, w_ptr, cos, sin, offs, live, eps, HALF, HAS_W: tl.constexpr):
+def norm_rope_rows(ptrs, w_ptr, cos, sin, offs, live, eps, HALF, HAS_W: tl.constexpr):
     """Normalise (when HAS_W) and rotate the rows of D = 2 * HALF values whose first halves
     start at ``ptrs`` ([R, HALF_P] pointers), in place, lanes outside ``live`` untouched.
     Returns the two stored halves ([R, HALF_P], the input dtype)."""
@@ -66,8 +64,8 @@ def _norm_rope_rows(ptrs, w_ptr, cos, sin, offs, live, eps, HALF, HAS_W: tl.cons
 
 
 @triton.jit
-def _write_kv_rows(k1, k2, v_rows, slot, head, kc_ptr, vc_ptr, offs, HALF, block_size,
-                   stride_kcb, stride_kco, stride_kch, stride_vcb, stride_vco, stride_vch):
+def write_kv_rows(k1, k2, v_rows, slot, head, kc_ptr, vc_ptr, offs, HALF, block_size,
+                  stride_kcb, stride_kco, stride_kch, stride_vcb, stride_vco, stride_vch):
     """Write R rows of kv head ``head`` ([R] or scalar) to their cache slots ``slot`` ([R]
     int64; < 0 writes nothing): K from its rotated halves ``k1``, ``k2`` ([R, HALF_P]), V read
     at ``v_rows`` ([R, HALF_P] pointers to first halves), each cast to its cache's dtype."""
@@ -122,20 +120,20 @@ def _qk_norm_rope_kernel(q_ptr, k_ptr, pos_ptr, cos_ptr, sin_ptr, qw_ptr, kw_ptr
                   other=0.0).to(tl.float32)
     if is_k:
         kptrs = k_ptr + (t64 * stride_kt + h64 * stride_kh)[:, None] + offs[None, :]
-        k1, k2 = _norm_rope_rows(kptrs, kw_ptr, cos, sin, offs, live, eps, HALF, HAS_KW)
+        k1, k2 = norm_rope_rows(kptrs, kw_ptr, cos, sin, offs, live, eps, HALF, HAS_KW)
         if WRITE_KV:
             # a row past the end reads slot -1: it writes nothing, as padding
             slot = tl.load(slot_ptr + t64 * stride_slot, mask=valid, other=-1).to(tl.int64)
             vrow = v_ptr + (t64 * stride_vt + h64 * stride_vh)[:, None] + offs[None, :]
-            _write_kv_rows(k1, k2, vrow, slot, h64, kc_ptr, vc_ptr, offs, HALF, block_size,
-                           stride_kcb, stride_kco, stride_kch, stride_vcb, stride_vco, stride_vch)
+            write_kv_rows(k1, k2, vrow, slot, h64, kc_ptr, vc_ptr, offs, HALF, block_size,
+                          stride_kcb, stride_kco, stride_kch, stride_vcb, stride_vco, stride_vch)
     else:
         qptrs = q_ptr + (t64 * stride_qt + h64 * stride_qh)[:, None] + offs[None, :]
-        _norm_rope_rows(qptrs, qw_ptr, cos, sin, offs, live, eps, HALF, HAS_QW)
+        norm_rope_rows(qptrs, qw_ptr, cos, sin, offs, live, eps, HALF, HAS_QW)
 
 
 # triton.jit picks the interpreter from TRITON_INTERPRET when this module is imported.
-_INTERPRETED = type(_qk_norm_rope_kernel).__name__ == "InterpretedFunction"
+INTERPRETED = interpreted(_qk_norm_rope_kernel)
 
 
 # Tile: BLOCK_R (token, head) rows of one tensor per program, sized by elements per half-row
@@ -146,7 +144,7 @@ _INTERPRETED = type(_qk_norm_rope_kernel).__name__ == "InterpretedFunction"
 _SMALL_ELEMS, _LARGE_ELEMS, _LARGE_MIN_ROWS, _MAX_ROWS = 512, 1024, 16384, 32
 
 
-def _pick_tile(rows: int, half_p: int) -> tuple[int, int]:
+def pick_tile(rows: int, half_p: int) -> tuple[int, int]:
     """(BLOCK_R, num_warps) for ``rows`` = T * (Hq + Hkv) and the padded half head_dim; a pure
     function of the shapes (no device reads), so each CUDA-graph size gets one fixed tile."""
     elems = _LARGE_ELEMS if rows >= _LARGE_MIN_ROWS else _SMALL_ELEMS
@@ -193,7 +191,7 @@ def qk_norm_rope_triton(q: torch.Tensor, k: torch.Tensor, positions: torch.Tenso
         kv_ptrs = (k, k, k, positions)
         kv_strides = (0, 0, 0, 1, 0, 0, 0, 0, 0, 0)
     half_p = triton.next_power_of_2(half)
-    block_r, num_warps = _pick_tile(t * (hq + hkv), half_p)
+    block_r, num_warps = pick_tile(t * (hq + hkv), half_p)
     n_k = triton.cdiv(t * hkv, block_r)
     grid = (n_k + triton.cdiv(t * hq, block_r),)
     _qk_norm_rope_kernel[grid](
@@ -234,8 +232,8 @@ def check_qk_norm_rope_args(name: str, q: torch.Tensor, k: torch.Tensor,
     if not (cos_cache.is_floating_point() and sin_cache.is_floating_point()):
         raise ValueError(f"{name}: cos/sin caches must be floating, got {cos_cache.dtype}, "
                          f"{sin_cache.dtype}")
-    if q.dtype not in _DTYPES or k.dtype != q.dtype:
-        raise ValueError(f"{name}: q {q.dtype} and k {k.dtype} must share one of {_DTYPES}")
+    if q.dtype not in DTYPES or k.dtype != q.dtype:
+        raise ValueError(f"{name}: q {q.dtype} and k {k.dtype} must share one of {DTYPES}")
     if q.stride(2) != 1 or k.stride(2) != 1 or cos_cache.stride(1) != 1 or sin_cache.stride(1) != 1:
         raise ValueError(f"{name}: q, k, cos_cache, sin_cache need a contiguous last dim; strides "
                          f"{q.stride()}, {k.stride()}, {cos_cache.stride()}, {sin_cache.stride()}")
@@ -249,5 +247,5 @@ def check_qk_norm_rope_args(name: str, q: torch.Tensor, k: torch.Tensor,
         check_kv_write_inputs(name, k, v, k_cache, v_cache, slot_mapping)
     tensors = [x for x in (q, k, positions, cos_cache, sin_cache, q_weight, k_weight) + kv_args
                if x is not None]
-    check_devices(name, tensors, _INTERPRETED, "epserve.kernels.rope_triton")
+    check_devices(name, tensors, INTERPRETED, "epserve.kernels.triton.rope")
     return with_kv

@@ -14,15 +14,12 @@ kernels decorated while ``TRITON_INTERPRET=1`` is set run in the Triton interpre
 
 from __future__ import annotations
 
-import os
-
 import torch
 import triton
 import triton.language as tl
 
-from epserve.kernels.router import MAX_TRITON_EXPERTS, check_router_args
+from epserve.kernels.dispatch import DTYPES, MAX_TRITON_EXPERTS, check_router_args, use_triton
 
-_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 _TILE_ELEMS = 1024  # BLOCK_T * BLOCK_E per program
 
 
@@ -32,7 +29,7 @@ def softmax_topk_tile(x, col_ok, TOP_K: tl.constexpr, RENORMALIZE: tl.constexpr,
     """Softmax + top-K of a [BLOCK_T, BLOCK_E] float32 logit tile (``col_ok``: [BLOCK_E], the
     real expert columns; the others must hold -inf). Returns ``(ids [BLOCK_T, BLOCK_K] int32,
     weights [BLOCK_T, BLOCK_K] float32)``, columns >= TOP_K zero. Shared with the fused
-    norm + router kernel (``norm_router_triton``).
+    norm + router kernel (``norm_router.py``).
 
     TOP_K is a compile-time constant (the round loop is unrolled; the interpreter cannot loop
     over a runtime bound). Selection key: the prob, 2.0 for a NaN prob (above any prob, as
@@ -93,15 +90,15 @@ def topk_softmax_triton(logits: torch.Tensor, top_k: int, renormalize: bool, *,
     """
     name = "topk_softmax_triton"
     check_router_args(name, logits, top_k)
-    if logits.dtype not in _DTYPES:
-        raise ValueError(f"{name}: logits dtype must be one of {_DTYPES}, got {logits.dtype}")
+    if logits.dtype not in DTYPES:
+        raise ValueError(f"{name}: logits dtype must be one of {DTYPES}, got {logits.dtype}")
     t, e = logits.shape
     if e > MAX_TRITON_EXPERTS:
         raise ValueError(f"{name}: at most {MAX_TRITON_EXPERTS} experts, got E={e}")
     if logits.stride(1) != 1:
         raise ValueError(f"{name}: logits must be contiguous along experts (stride(1) == 1), "
                          f"got strides {tuple(logits.stride())}")
-    if not logits.is_cuda and os.environ.get("TRITON_INTERPRET") != "1":
+    if not use_triton(logits):
         raise ValueError(f"{name}: logits must be on a CUDA device (or set TRITON_INTERPRET=1), "
                          f"got {logits.device}")
     if block_t is not None and (isinstance(block_t, bool) or not isinstance(block_t, int)

@@ -2,7 +2,7 @@
 RoPE, and this step's K/V into the paged cache, then paged attention over the cache.
 
 The definition is the two launches it replaces, in order: ``qk_norm_rope_triton`` with the KV
-write (``rope_triton``), then ``paged_decode_attention`` (``paged_attention_triton``), each
+write (``rope.py``), then ``paged_decode_attention`` (``paged_attention.py``), each
 equal to its torch reference. One program per (sequence s, kv head h), as the decode kernel:
 it normalises and rotates k[s, h] in place and writes it and v[s, h] to slot
 ``slot_mapping[s]`` (a slot < 0, CUDA-graph padding, writes nothing), normalises and rotates
@@ -11,8 +11,8 @@ writes visible to all its threads) runs the decode kernel's body on them (called
 those q/k rows or that cache slot, so the launch is race free and equal to the two launches:
 q, k and the caches bit for bit, the output to float rounding (products are not fused into
 multiply-adds anywhere in this launch, as the rope needs; the decode kernel alone fuses them).
-At batch 1 the decode kernel has only Hkv programs, so the prologue's one launch (~3 us of a
-~57 us layer) was mostly its fixed cost.
+At batch 1 the decode kernel has only Hkv programs, so the prologue's own launch was mostly
+fixed cost (bench/RESULTS.md, "Kernel tuning history").
 
 Contract: a pure decode step (row s is sequence s's newest position, ``positions[s] ==
 seq_lens_t[s] - 1`` and the slot is that position's; not checked: device data).
@@ -24,10 +24,9 @@ import torch
 import triton
 import triton.language as tl
 
-from epserve.kernels.paged_attention_triton import _paged_decode_kernel, decode_constexprs
-from epserve.kernels.rope_triton import (_norm_rope_rows, _write_kv_rows,
-                                         check_qk_norm_rope_args)
-from epserve.kernels.wrapper_checks import check_paged_inputs
+from epserve.kernels.dispatch import check_paged_inputs, interpreted
+from epserve.kernels.triton.paged_attention import decode_constexprs, paged_decode_kernel
+from epserve.kernels.triton.rope import check_qk_norm_rope_args, norm_rope_rows, write_kv_rows
 
 
 @triton.jit(do_not_specialize=["stride_bts"])
@@ -55,28 +54,28 @@ def _rope_decode_kernel(
 
     # k[s, kvh]: norm + rope in place, then K and V into the cache slot (one row: [1, HALF_P]).
     kptrs = k_ptr + s64 * stride_ks + h64 * stride_kh + offs[None, :]
-    k1, k2 = _norm_rope_rows(kptrs, kw_ptr, cos, sin, offs, hmask[None, :], eps, HALF, HAS_KW)
+    k1, k2 = norm_rope_rows(kptrs, kw_ptr, cos, sin, offs, hmask[None, :], eps, HALF, HAS_KW)
     slot = tl.load(slot_ptr + s64 * stride_slot + tl.zeros([1], tl.int64)).to(tl.int64)  # [1]
     vrow = v_ptr + s64 * stride_vs + h64 * stride_vh + offs[None, :]
-    _write_kv_rows(k1, k2, vrow, slot, h64, kc_ptr, vc_ptr, offs, HALF, block_size,
-                   stride_kcb, stride_kco, stride_kch, stride_vcb, stride_vco, stride_vch)
+    write_kv_rows(k1, k2, vrow, slot, h64, kc_ptr, vc_ptr, offs, HALF, block_size,
+                  stride_kcb, stride_kco, stride_kch, stride_vcb, stride_vco, stride_vch)
 
     # The GROUP query heads of kvh: norm + rope in place.
     offs_g = tl.arange(0, GROUP_P)
     heads = (kvh * GROUP + offs_g).to(tl.int64)
     q_live = offs[None, :] < tl.where(offs_g < GROUP, HALF, 0)[:, None]
     qptrs = q_ptr + (s64 * stride_qs + heads * stride_qh)[:, None] + offs[None, :]
-    _norm_rope_rows(qptrs, qw_ptr, cos, sin, offs, q_live, eps, HALF, HAS_QW)
+    norm_rope_rows(qptrs, qw_ptr, cos, sin, offs, q_live, eps, HALF, HAS_QW)
 
     tl.debug_barrier()  # this program's q and cache writes, visible to all of its threads
-    _paged_decode_kernel(q_ptr, kc_ptr, vc_ptr, bt_ptr, sl_ptr, o_ptr,
-                         stride_qs, stride_qh, stride_os, stride_oh, stride_bts,
-                         stride_kcb, stride_kco, stride_kch, scale_log2, window, block_size,
-                         GROUP, GROUP_P, D, D_P, BLOCK_N, HAS_WINDOW, PRECISION, WHILE_LOOP)
+    paged_decode_kernel(q_ptr, kc_ptr, vc_ptr, bt_ptr, sl_ptr, o_ptr,
+                        stride_qs, stride_qh, stride_os, stride_oh, stride_bts,
+                        stride_kcb, stride_kco, stride_kch, scale_log2, window, block_size,
+                        GROUP, GROUP_P, D, D_P, BLOCK_N, HAS_WINDOW, PRECISION, WHILE_LOOP)
 
 
 # triton.jit picks the interpreter from TRITON_INTERPRET when this module is imported.
-_INTERPRETED = type(_rope_decode_kernel).__name__ == "InterpretedFunction"
+INTERPRETED = interpreted(_rope_decode_kernel)
 
 
 def rope_paged_decode_triton(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,

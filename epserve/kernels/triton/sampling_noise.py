@@ -19,12 +19,11 @@ import torch
 import triton
 import triton.language as tl
 
-from epserve.kernels import sampling_noise as ref
-from epserve.kernels.sampling_noise import _check
+from epserve.kernels.dispatch import MASK32, MIX_C1, MIX_C2, check_gumbel_args
 
-_MASK32 = tl.constexpr(ref.MASK32)
-_C1 = tl.constexpr(ref.MIX_C1)
-_C2 = tl.constexpr(ref.MIX_C2)
+_MASK32 = tl.constexpr(MASK32)
+_C1 = tl.constexpr(MIX_C1)
+_C2 = tl.constexpr(MIX_C2)
 
 
 @triton.jit
@@ -112,7 +111,7 @@ def gumbel_argmax_triton(x: torch.Tensor, keys: torch.Tensor, inv_t: torch.Tenso
 
     block: vocab entries per program (a power of two >= 16; default min(2048, V rounded up)).
     NaN logits give an unspecified id in range (the reference follows torch.argmax there)."""
-    _check(x, keys, inv_t, noisy, thr, tid, banned)
+    check_gumbel_args(x, keys, inv_t, noisy, thr, tid, banned)
     if block is None:
         block = min(2048, max(16, triton.next_power_of_2(x.shape[1])))
     if block < 16 or block & (block - 1):

@@ -17,7 +17,7 @@ import torch
 import triton
 import triton.language as tl
 
-from epserve.kernels.wrapper_checks import DTYPES, check_devices
+from epserve.kernels.dispatch import DTYPES, check_devices, interpreted
 
 
 @triton.jit
@@ -37,14 +37,14 @@ def _gemv_kernel(x_ptr, w_ptr, out_ptr, N, stride_wn,
     tl.store(out_ptr + rows, out.to(out_ptr.dtype.element_ty), mask=r_ok)
 
 
-_INTERPRETED = type(_gemv_kernel).__name__ == "InterpretedFunction"
+INTERPRETED = interpreted(_gemv_kernel)
 
 
 def default_gemv_tiles(n: int, k: int, elem_bytes: int) -> tuple[int, int, int, int]:
-    """(block_n, block_k, num_warps, num_stages): 2 KB of each weight row per step. Cold-L2
-    sweep on the H200 (2026-12-03, bf16): o_proj 2048 x 4096 best at 8 rows / 8 warps / 3
-    stages (8.1 us, cuBLAS 9.9); qkv 5120 x 2048 at 4 rows / 4 warps / 4 stages (9.0 us,
-    cuBLAS 10.2)."""
+    """(block_n, block_k, num_warps, num_stages): 2 KB of each weight row per step; up to
+    N = 4096 output rows (an o_proj) 8 rows / 8 warps / 3 stages per program, wider (a qkv
+    projection) 4 rows / 4 warps / 4 stages, each the best of a sweep (bench/RESULTS.md,
+    "Kernel tuning history")."""
     block_k = min(triton.next_power_of_2(k), max(16, 2048 // elem_bytes))
     if n <= 4096:
         return 8, block_k, 8, 3
@@ -67,7 +67,7 @@ def linear_gemv_triton(x: torch.Tensor, w: torch.Tensor, *, block_n: int | None 
     if x.stride(1) != 1 or w.stride(1) != 1:
         raise ValueError(f"{name}: x and w need a contiguous last dim, strides {x.stride()} "
                          f"{w.stride()}")
-    check_devices(name, [x, w], _INTERPRETED, "epserve.kernels.linear_triton")
+    check_devices(name, [x, w], INTERPRETED, "epserve.kernels.triton.linear")
     n, k = w.shape
     bn, bk, nw, ns = default_gemv_tiles(n, k, x.element_size())
     bn, bk = block_n or bn, block_k or bk

@@ -18,7 +18,7 @@ import torch
 import triton
 import triton.language as tl
 
-from epserve.kernels.wrapper_checks import check_devices, check_kv_write_inputs
+from epserve.kernels.dispatch import check_devices, check_kv_write_inputs, interpreted
 
 
 @triton.jit
@@ -49,7 +49,7 @@ def _write_kv_kernel(k_ptr, v_ptr, kc_ptr, vc_ptr, slot_ptr,
 
 
 # triton.jit picks the interpreter from TRITON_INTERPRET when this module is imported.
-_INTERPRETED = type(_write_kv_kernel).__name__ == "InterpretedFunction"
+INTERPRETED = interpreted(_write_kv_kernel)
 
 
 def write_kv_triton(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
@@ -61,8 +61,8 @@ def write_kv_triton(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
     """
     name = "write_kv_triton"
     t, hkv, d = check_kv_write_inputs(name, k, v, k_cache, v_cache, slot_mapping)
-    check_devices(name, (k, v, k_cache, v_cache, slot_mapping), _INTERPRETED,
-                  "epserve.kernels.kv_write_triton")
+    check_devices(name, (k, v, k_cache, v_cache, slot_mapping), INTERPRETED,
+                  "epserve.kernels.triton.kv_write")
     if t == 0 or hkv == 0 or d == 0:
         return
     slots = slot_mapping.contiguous()
