@@ -35,7 +35,9 @@ class LLM:
     ``model``: a Hugging Face folder (config.json + safetensors); ``None`` builds and uses the
     built-in demo model (random weights: its text is random). ``ep_size`` > 1 runs the
     experts over that many ranks on Ray (``RAY_ADDRESS``'s cluster, or a local one): the
-    engine then lives in a HeadActor and ``close()`` releases it. ``decode_lookahead``: queue
+    engine then lives in a HeadActor and ``close()`` releases it; ``ep_timeout_s``: how long an
+    EP collective may take before the group counts as broken and re-forms (an idle engine
+    sends its ranks an empty step every quarter of it). ``decode_lookahead``: queue
     each decode step's likely successor on the GPU before the host has read its tokens (None:
     on wherever decode CUDA graphs are; True also on CPU, where it only exercises the logic).
     ``max_n``, ``max_stop_strings``, ``max_stop_chars``, ``max_stop_token_ids``,
@@ -49,7 +51,8 @@ class LLM:
                  max_num_seqs: int = 256, max_num_batched_tokens: int = 2048,
                  long_prefill_token_threshold: int = 0, enable_prefix_caching: bool = True,
                  load_format: str = "auto", ep_size: int = 1,
-                 placement_strategy: str = "STRICT_PACK", gpu_memory_utilization: float = 0.9,
+                 placement_strategy: str = "STRICT_PACK", ep_timeout_s: float = 120.0,
+                 gpu_memory_utilization: float = 0.9,
                  enforce_eager: bool = False, decode_lookahead: bool | None = None,
                  max_n: int = 128, max_stop_strings: int = 256, max_stop_chars: int = 8192,
                  max_stop_token_ids: int = 4096, max_logprobs: int = 20):
@@ -60,7 +63,7 @@ class LLM:
             max_num_batched_tokens=max_num_batched_tokens,
             long_prefill_token_threshold=long_prefill_token_threshold,
             enable_prefix_caching=enable_prefix_caching, load_format=load_format, seed=seed,
-            ep_size=ep_size, placement_strategy=placement_strategy,
+            ep_size=ep_size, placement_strategy=placement_strategy, ep_timeout_s=ep_timeout_s,
             gpu_memory_utilization=gpu_memory_utilization, enforce_eager=enforce_eager,
             decode_lookahead=decode_lookahead, max_n=max_n, max_stop_strings=max_stop_strings,
             max_stop_chars=max_stop_chars, max_stop_token_ids=max_stop_token_ids,

@@ -38,6 +38,9 @@ def _engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--placement-strategy", default="STRICT_PACK",
                    help="how the EP ranks' placement group is laid out on the Ray cluster: "
                         "STRICT_PACK, PACK, SPREAD or STRICT_SPREAD")
+    p.add_argument("--ep-timeout-s", type=float, default=120.0,
+                   help="seconds an EP collective may take before the group counts as broken "
+                        "(an idle server keeps its ranks' channel open at a quarter of it)")
     p.add_argument("--seed", type=int, default=0)
 
 
@@ -103,7 +106,8 @@ def engine_options(args: argparse.Namespace) -> dict:
         max_num_batched_tokens=args.max_num_batched_tokens, num_kv_blocks=args.num_kv_blocks,
         block_size=args.block_size, enable_prefix_caching=not args.no_prefix_caching,
         load_format=args.load_format, ep_size=args.ep_size,
-        placement_strategy=args.placement_strategy, seed=args.seed,
+        placement_strategy=args.placement_strategy, ep_timeout_s=args.ep_timeout_s,
+        seed=args.seed,
         gpu_memory_utilization=args.gpu_memory_utilization,
         enforce_eager=getattr(args, "enforce_eager", False),
         decode_lookahead=False if getattr(args, "no_decode_lookahead", False) else None)

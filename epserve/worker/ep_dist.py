@@ -22,9 +22,15 @@ def free_port(addr: str = "127.0.0.1") -> int:
         return s.getsockname()[1]
 
 
+#: How long ranks wait for each other to join (loading a rank's shard happens before).
+RENDEZVOUS_TIMEOUT_S = 600.0
+
+
 def join_ep_group(rank: int, world_size: int, addr: str, port: int, device_type: str,
                   timeout_s: float = 120.0):
-    """Join the group; returns ``(data_group, cpu_group)`` (``None`` = the default group).
+    """Join the group; returns ``(data_group, cpu_group)``: the MoE exchange's (NCCL on CUDA,
+    gloo on CPU) and the command channel's (gloo), both with collectives that fail after
+    ``timeout_s`` (the rendezvous itself may take ``RENDEZVOUS_TIMEOUT_S``).
 
     Rank 0 serves the rendezvous store on ``addr`` only: torch's own TCPStore server listens on
     every interface whatever its host, so it is handed a socket bound here. On a loopback
@@ -32,7 +38,7 @@ def join_ep_group(rank: int, world_size: int, addr: str, port: int, device_type:
     resolves)."""
     if ipaddress.ip_address(addr).is_loopback:
         os.environ.setdefault("GLOO_SOCKET_IFNAME", _loopback_interface())
-    timeout = timedelta(seconds=timeout_s)
+    timeout = timedelta(seconds=max(timeout_s, RENDEZVOUS_TIMEOUT_S))
     if rank == 0:
         listener = socket.socket(socket.AF_INET6 if ":" in addr else socket.AF_INET)
         listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
@@ -46,8 +52,11 @@ def join_ep_group(rank: int, world_size: int, addr: str, port: int, device_type:
     backend = "nccl" if device_type == "cuda" else "gloo"
     dist.init_process_group(backend, store=store, rank=rank, world_size=world_size,
                             timeout=timeout)
-    cpu_group = dist.new_group(backend="gloo") if backend == "nccl" else None
-    return None, cpu_group
+    collective = timedelta(seconds=timeout_s)
+    data_group = dist.new_group(backend=backend, timeout=collective)
+    cpu_group = dist.new_group(backend="gloo", timeout=collective) if backend == "nccl" \
+        else data_group
+    return data_group, cpu_group
 
 
 def _loopback_interface() -> str:

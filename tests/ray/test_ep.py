@@ -247,3 +247,21 @@ def test_stream_over_ep_grows_to_the_batch_output_and_closing_aborts(ray_cluster
         assert time.monotonic() < deadline, ep.stats()
         time.sleep(0.1)
     assert _ids(ep.generate(LONG_PROMPTS[:2], LONG)) == want[:2]
+
+
+def test_an_idle_ep_group_stays_up_past_its_collective_timeout(ray_cluster, qwen3_ckpt):
+    """Idle ranks wait in the command broadcast, which times out after ``ep_timeout_s``: the
+    leader's empty steps keep them there, so an idle engine stays healthy (no re-form) and
+    serves the next request exactly."""
+    ep = LLM(model=str(qwen3_ckpt), ep_size=2, dtype="float32", ep_timeout_s=3.0)
+    try:
+        want = _ids(ep.generate([LONG_PROMPTS[0]], GREEDY))
+        deadline = time.monotonic() + 10.0  # three collective timeouts of silence
+        while time.monotonic() < deadline:
+            h = ep.health()
+            assert h["healthy"], h
+            time.sleep(0.2)
+        assert _ids(ep.generate([LONG_PROMPTS[0]], GREEDY)) == want
+        assert ep.backend.worker_failures() == [[]]
+    finally:
+        ep.close()
