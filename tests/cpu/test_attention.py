@@ -12,6 +12,7 @@ from __future__ import annotations
 import pytest
 import torch
 from kernel_interp import interpreted_modules, kernel_fixtures, needs_triton
+from paged_case import paged_kv
 
 from epserve.kernels import attention
 from epserve.kernels.attention import AttentionMetadata, paged_attention, paged_attention_ref
@@ -115,16 +116,7 @@ def _case(seed: int, s: int, hq: int, hkv: int, d: int, bs: int, dtype: torch.dt
     g = torch.Generator().manual_seed(seed)
     if lens is None:
         lens = [1] + [int(x) for x in torch.randint(2, 6 * bs + 3, (s - 1,), generator=g)]
-    max_blocks = max(-(-n // bs) for n in lens) + 1  # one spare column: 0-padded tail
-    nb = s * max_blocks + 3
-    k_cache = torch.randn(nb, bs, hkv, d, generator=g).to(dtype)
-    v_cache = torch.randn(nb, bs, hkv, d, generator=g).to(dtype)
-    # Physical blocks: a random permutation, so each row of the table is scattered.
-    perm = torch.randperm(nb, generator=g)
-    tables = torch.zeros(s, max_blocks, dtype=torch.int32)
-    for i, n in enumerate(lens):
-        used = -(-n // bs)
-        tables[i, :used] = perm[i * max_blocks: i * max_blocks + used].int()
+    k_cache, v_cache, tables = paged_kv(g, lens, hkv, d, bs, dtype)
     q = torch.randn(s, hq, d, generator=g).to(dtype)
     meta = AttentionMetadata(slot_mapping=torch.full((s,), -1, dtype=torch.long),
                              query_start_loc=tuple(range(s + 1)), seq_lens=tuple(lens),

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import pytest
 from kernel_interp import HAS_TRITON, interpreted_modules, use_interpreted
+from paged_case import paged_kv
 
 if not HAS_TRITON:
     pytest.skip("triton is not installed", allow_module_level=True)
@@ -38,16 +39,7 @@ def _interpret_env(monkeypatch):
 def _case(seed, lens, ns, hq, hkv, d, bs, dtype, pad=0):
     """Sequence s has KV length lens[s] and its last ns[s] positions as rows; pad extra rows."""
     g = torch.Generator().manual_seed(seed)
-    s = len(lens)
-    max_blocks = max(-(-n // bs) for n in lens) + 1  # one spare 0-padded column
-    nb = s * max_blocks + 3
-    k_cache = torch.randn(nb, bs, hkv, d, generator=g).to(dtype)
-    v_cache = torch.randn(nb, bs, hkv, d, generator=g).to(dtype)
-    perm = torch.randperm(nb, generator=g)
-    tables = torch.zeros(s, max_blocks, dtype=torch.int32)
-    for i, n in enumerate(lens):
-        used = -(-n // bs)
-        tables[i, :used] = perm[i * max_blocks: i * max_blocks + used].int()
+    k_cache, v_cache, tables = paged_kv(g, lens, hkv, d, bs, dtype)
     qsl = [0]
     for n in ns:
         qsl.append(qsl[-1] + n)
