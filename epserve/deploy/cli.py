@@ -10,55 +10,7 @@ import argparse
 import sys
 from typing import Sequence
 
-
-def _engine_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--model", default=None,
-                   help="Hugging Face checkpoint folder (default: the built-in demo model, "
-                        "random weights)")
-    p.add_argument("--tokenizer", default=None,
-                   help="tokenizer folder (default: the model folder's own tokenizer)")
-    p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
-    p.add_argument("--device", default="auto", help="auto (CUDA when present), cpu, cuda:N")
-    p.add_argument("--max-model-len", type=int, default=None)
-    p.add_argument("--max-num-seqs", type=int, default=256)
-    p.add_argument("--max-num-batched-tokens", type=int, default=2048)
-    p.add_argument("--num-kv-blocks", type=int, default=None)
-    p.add_argument("--gpu-memory-utilization", type=float, default=0.9,
-                   help="fraction of GPU memory for weights + KV cache (CUDA)")
-    p.add_argument("--enforce-eager", action="store_true",
-                   help="run decode steps eagerly (no CUDA graphs)")
-    p.add_argument("--no-decode-lookahead", action="store_true",
-                   help="do not queue a decode step's likely successor on the GPU before its "
-                        "tokens are read back (default: on with CUDA graphs)")
-    p.add_argument("--block-size", type=int, default=16)
-    p.add_argument("--no-prefix-caching", action="store_true")
-    p.add_argument("--load-format", default="auto", choices=["auto", "safetensors", "dummy"])
-    p.add_argument("--ep-size", type=int, default=1, help="expert-parallel ranks")
-    # checked by EngineArgs (one clear line, exit 2), as every engine option's value is
-    p.add_argument("--placement-strategy", default="STRICT_PACK",
-                   help="how the EP ranks' placement group is laid out on the Ray cluster: "
-                        "STRICT_PACK, PACK, SPREAD or STRICT_SPREAD")
-    p.add_argument("--ep-timeout-s", type=float, default=120.0,
-                   help="seconds an EP collective may take before the group counts as broken "
-                        "(an idle server keeps its ranks' channel open at a quarter of it)")
-    p.add_argument("--seed", type=int, default=0)
-
-
-def _limit_args(p: argparse.ArgumentParser) -> None:
-    """Per-request bounds (epserve.head.limits): a request over one gets a 400 naming it."""
-    from epserve.head.limits import RequestLimits
-
-    d = RequestLimits()
-    g = p.add_argument_group("per-request limits")
-    g.add_argument("--max-n", type=int, default=d.max_n, help="most choices (n) per request")
-    g.add_argument("--max-stop-strings", type=int, default=d.max_stop_strings,
-                   help="most stop strings per request")
-    g.add_argument("--max-stop-chars", type=int, default=d.max_stop_chars,
-                   help="most characters of all a request's stop strings together")
-    g.add_argument("--max-stop-token-ids", type=int, default=d.max_stop_token_ids,
-                   help="most stop_token_ids per request")
-    g.add_argument("--max-logprobs", type=int, default=d.max_logprobs,
-                   help="most logprobs / prompt_logprobs alternatives per token (<= 20)")
+from epserve.deploy.engine_flags import add_engine_flags, add_limit_flags, engine_options
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -66,7 +18,7 @@ def _parser() -> argparse.ArgumentParser:
     sub = ap.add_subparsers(dest="command", required=True)
     g = sub.add_parser("generate", help="stream the continuation of one prompt")
     g.add_argument("prompt")
-    _engine_args(g)
+    add_engine_flags(g)
     g.add_argument("--max-tokens", type=int, default=64)
     g.add_argument("--temperature", type=float, default=0.0)
     g.add_argument("--top-p", type=float, default=1.0)
@@ -78,8 +30,8 @@ def _parser() -> argparse.ArgumentParser:
     g.add_argument("--chat", action="store_true",
                    help="wrap the prompt as a user message in the chat template")
     s = sub.add_parser("serve", help="serve the OpenAI-compatible HTTP API")
-    _engine_args(s)
-    _limit_args(s)
+    add_engine_flags(s)
+    add_limit_flags(s)
     s.add_argument("--host", default="127.0.0.1")
     s.add_argument("--port", type=int, default=8000)
     s.add_argument("--api-key", default=None,
@@ -95,22 +47,6 @@ def _parser() -> argparse.ArgumentParser:
     s.add_argument("--body-read-timeout", type=float, default=None,
                    help="seconds a request body may take to arrive (then 408); default 30")
     return ap
-
-
-def engine_options(args: argparse.Namespace) -> dict:
-    """The engine options the ``_engine_args`` flags give, as ``LLM``/``EngineArgs`` keywords
-    (one mapping for ``generate`` and ``serve``; the values are checked by ``EngineArgs``)."""
-    return dict(
-        model=args.model, tokenizer=getattr(args, "tokenizer", None), dtype=args.dtype,
-        device=args.device, max_model_len=args.max_model_len, max_num_seqs=args.max_num_seqs,
-        max_num_batched_tokens=args.max_num_batched_tokens, num_kv_blocks=args.num_kv_blocks,
-        block_size=args.block_size, enable_prefix_caching=not args.no_prefix_caching,
-        load_format=args.load_format, ep_size=args.ep_size,
-        placement_strategy=args.placement_strategy, ep_timeout_s=args.ep_timeout_s,
-        seed=args.seed,
-        gpu_memory_utilization=args.gpu_memory_utilization,
-        enforce_eager=getattr(args, "enforce_eager", False),
-        decode_lookahead=False if getattr(args, "no_decode_lookahead", False) else None)
 
 
 def _llm(args: argparse.Namespace):

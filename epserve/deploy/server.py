@@ -17,7 +17,7 @@ import threading
 from typing import Any
 
 from epserve.cluster.engine_args import EngineArgs
-from epserve.deploy.cli import engine_options
+from epserve.deploy.engine_flags import engine_options
 from epserve.deploy.config import (
     API_KEY_ENV, DEFAULT_BODY_READ_TIMEOUT_S, DEFAULT_MAX_BODY_BYTES, AppConfig,
 )
