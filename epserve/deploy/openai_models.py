@@ -24,7 +24,8 @@ from epserve.head.sampling_params import SamplingParams
 MAX_PROMPTS = 256
 MAX_CHOICES = 1024
 INT32 = 2**31 - 1
-_STRICT = ConfigDict(strict=True, extra="ignore")
+# An unknown field is a 400 naming it: nothing a client sends is accepted and ignored.
+_STRICT = ConfigDict(strict=True, extra="forbid")
 
 TokenIds = list[int]
 
@@ -59,6 +60,8 @@ class _SamplingRequest(BaseModel):
     include_stop_str_in_output: bool = False
     echo: bool = False
     return_token_ids: bool = False
+    use_beam_search: bool = False
+    truncate_prompt_tokens: int | None = Field(None, ge=-1, le=INT32)
     # Accepted at their neutral values only: the engine has no penalties or biases yet.
     presence_penalty: float | None = None
     frequency_penalty: float | None = None
@@ -77,12 +80,23 @@ class _SamplingRequest(BaseModel):
                                   param=name)
         if self.logit_bias:
             raise bad_request("logit_bias is not supported by this server", param="logit_bias")
+        if self.use_beam_search:
+            raise bad_request("beam search is not supported by this server",
+                              param="use_beam_search")
+        if self.truncate_prompt_tokens == 0:
+            raise bad_request("truncate_prompt_tokens must be -1 (the context length) or at "
+                              "least 1", param="truncate_prompt_tokens")
         if self.stop_token_ids and any(t > INT32 for t in self.stop_token_ids):
             raise bad_request("stop_token_ids must hold token ids", param="stop_token_ids")
 
     @property
     def include_usage(self) -> bool:
         return bool(self.stream and self.stream_options and self.stream_options.include_usage)
+
+    @property
+    def continuous_usage(self) -> bool:
+        """Usage in every chunk (vLLM's ``continuous_usage_stats``, with ``include_usage``)."""
+        return self.include_usage and bool(self.stream_options.continuous_usage_stats)
 
 
 class CompletionRequest(_SamplingRequest):
@@ -212,7 +226,8 @@ def validate(model: type[BaseModel], body: dict[str, Any]) -> Any:
         err = exc.errors(include_url=False)[0]
         loc = [str(p) for p in err.get("loc", ())]
         where = ".".join(loc) or "body"
-        msg = str(err.get("msg", "invalid value"))
+        msg = "this server does not support this field" if err.get("type") == "extra_forbidden" \
+            else str(err.get("msg", "invalid value"))
         raise bad_request(f"{where}: {msg}", param=loc[0] if loc else None) from None
 
 

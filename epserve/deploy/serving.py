@@ -102,6 +102,14 @@ class OpenAIServing:
     def _decode_one(self, tid: int) -> str:
         return self._decode([tid])
 
+    def _truncate(self, p: Prompt, keep: int | None) -> Prompt:
+        """``truncate_prompt_tokens``: only the last ``keep`` tokens (-1: the context length);
+        a shortened prompt's text is its ids' text."""
+        if keep is None:
+            return p
+        keep = self.info.max_model_len if keep == -1 else keep
+        return p if len(p.ids) <= keep else Prompt(None, p.ids[-keep:])
+
     async def render_chat(self, req: ChatCompletionRequest | TokenizeRequest,
                           continue_final: bool = False) -> Prompt:
         """The chat template applied to the messages, and its token ids."""
@@ -134,6 +142,7 @@ class OpenAIServing:
             else:
                 self._check_ids(p, "prompt")
                 prompts.append(Prompt(None, list(p)))
+        prompts = [self._truncate(p, req.truncate_prompt_tokens) for p in prompts]
         max_tokens = req.max_tokens if req.max_tokens is not None \
             else COMPLETIONS_DEFAULT_MAX_TOKENS
         for p in prompts:
@@ -215,7 +224,11 @@ class OpenAIServing:
                 yield R.sse(c)
             async for i, out in fan.outputs():
                 for d in tracker.update(i, out, want_lp, req.return_token_ids):
-                    yield R.sse(chunk(i, out, d))
+                    c = chunk(i, out, d)
+                    if req.continuous_usage:
+                        c["usage"] = R.usage(sum(tracker.prompt_tokens),
+                                             tracker.completion_tokens)
+                    yield R.sse(c)
             if req.include_usage:
                 yield R.sse(head.body(choices=[], usage=R.usage(
                     sum(tracker.prompt_tokens), tracker.completion_tokens)))
@@ -235,7 +248,8 @@ class OpenAIServing:
         req: ChatCompletionRequest = validate(ChatCompletionRequest, body)
         req.check()
         self.check_model(req.model)
-        prompt = await self.render_chat(req, req.continue_final_message)
+        prompt = self._truncate(await self.render_chat(req, req.continue_final_message),
+                                req.truncate_prompt_tokens)
         max_tokens = req.wanted_max_tokens()
         self._check_context(len(prompt.ids), max_tokens, "messages",
                             "max_completion_tokens" if req.max_completion_tokens is not None
@@ -281,8 +295,11 @@ class OpenAIServing:
                      echo: str, prompt_ids: list[int]) -> AsyncIterator[str]:
         head = R.Head(head.id, "chat.completion.chunk", head.model, head.created)
         extra = {"usage": None} if req.include_usage else {}
+        if req.continuous_usage:
+            extra = {"usage": R.usage(len(prompt_ids), 0)}
         opening = [head.body(choices=[R.chat_delta(k, {"role": "assistant", "content": ""})],
                              **extra) for k in range(req.n)]
+        extra = {"usage": None} if req.include_usage else {}
         tracker = DeltaTracker(1, req.n)
 
         def chunk(i: int, out: RequestOutput, d: Delta) -> dict[str, Any]:

@@ -1,0 +1,83 @@
+"""Nothing a client sends is accepted and ignored: an unknown field is a 400 naming it; vLLM's
+``use_beam_search`` (refused when true), ``truncate_prompt_tokens`` and
+``stream_options.continuous_usage_stats`` do what vLLM's server does."""
+
+from __future__ import annotations
+
+import openai
+import pytest
+
+CHAT = [{"role": "user", "content": "Hi"}]
+IDS = [(7 * i) % 200 + 5 for i in range(40)]
+
+
+def _refused(call, **kw) -> openai.BadRequestError:
+    with pytest.raises(openai.BadRequestError) as e:
+        call(**kw)
+    return e.value
+
+
+@pytest.mark.parametrize("field, value", [("guided_json", {"type": "object"}),
+                                          ("best_of_n_typo", 2), ("functions", [])])
+def test_an_unknown_field_is_a_400_naming_it(server, client, field, value):
+    err = _refused(client.completions.create, model=server.model, prompt="Hi", max_tokens=2,
+                   extra_body={field: value})
+    assert err.param == field and "does not support" in err.message, err.body
+    err = _refused(client.chat.completions.create, model=server.model, messages=CHAT,
+                   max_tokens=2, extra_body={field: value})
+    assert err.param == field, err.body
+
+
+def test_an_unknown_field_in_a_message_is_refused(server, client):
+    msgs = [{"role": "assistant", "content": "", "tool_calls": [{"id": "1"}]}] + CHAT
+    err = _refused(client.chat.completions.create, model=server.model, messages=msgs,
+                   max_tokens=2)
+    assert err.param == "messages" and "tool_calls" in err.message, err.body
+
+
+def test_beam_search_is_refused_not_ignored(server, client):
+    err = _refused(client.completions.create, model=server.model, prompt="Hi", max_tokens=2,
+                   extra_body={"use_beam_search": True})
+    assert err.param == "use_beam_search", err.body
+    out = client.completions.create(model=server.model, prompt="Hi", max_tokens=2,
+                                    extra_body={"use_beam_search": False})
+    assert out.choices[0].text is not None
+
+
+def test_truncate_prompt_tokens_keeps_the_last_tokens(server, client):
+    greedy = dict(model=server.model, max_tokens=6, temperature=0, extra_body={"ignore_eos": True})
+    cut = client.completions.create(prompt=IDS, **{**greedy, "extra_body": {
+        "ignore_eos": True, "truncate_prompt_tokens": 8}})
+    tail = client.completions.create(prompt=IDS[-8:], **greedy)
+    assert cut.usage.prompt_tokens == 8
+    assert cut.choices[0].text == tail.choices[0].text
+    whole = client.completions.create(prompt=IDS, **{**greedy, "extra_body": {
+        "ignore_eos": True, "truncate_prompt_tokens": -1}})  # the context length: no cut
+    assert whole.usage.prompt_tokens == len(IDS)
+    chat = client.chat.completions.create(model=server.model, messages=CHAT, max_tokens=2,
+                                          extra_body={"truncate_prompt_tokens": 3})
+    assert chat.usage.prompt_tokens == 3
+    err = _refused(client.completions.create, model=server.model, prompt=IDS, max_tokens=2,
+                   extra_body={"truncate_prompt_tokens": 0})
+    assert err.param == "truncate_prompt_tokens", err.body
+
+
+@pytest.mark.parametrize("route", ["completions", "chat"])
+def test_continuous_usage_stats_puts_usage_in_every_chunk(server, client, route):
+    kw = dict(model=server.model, max_tokens=5, temperature=0, stream=True,
+              stream_options={"include_usage": True, "continuous_usage_stats": True},
+              extra_body={"ignore_eos": True})
+    if route == "chat":
+        chunks = list(client.chat.completions.create(messages=CHAT, **kw))
+    else:
+        chunks = list(client.completions.create(prompt=IDS[:6], **kw))
+    assert chunks and all(c.usage is not None for c in chunks)
+    done = [c.usage.completion_tokens for c in chunks]
+    assert done == sorted(done) and done[-1] == 5
+    assert all(c.usage.total_tokens == c.usage.prompt_tokens + c.usage.completion_tokens
+               for c in chunks)
+    # without include_usage there is no usage at all, as in vLLM
+    plain = dict(kw, stream_options={"continuous_usage_stats": True})
+    chunks = list(client.completions.create(prompt=IDS[:6], **plain)) if route != "chat" \
+        else list(client.chat.completions.create(messages=CHAT, **plain))
+    assert all(c.usage is None for c in chunks)
