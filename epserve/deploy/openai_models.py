@@ -61,6 +61,7 @@ class _SamplingRequest(BaseModel):
     echo: bool = False
     return_token_ids: bool = False
     use_beam_search: bool = False
+    return_tokens_as_token_ids: bool | None = None
     truncate_prompt_tokens: int | None = Field(None, ge=-1, le=INT32)
     # Accepted at their neutral values only: the engine has no penalties or biases yet.
     presence_penalty: float | None = None

@@ -34,9 +34,12 @@ def _lp(x: float) -> float:
     return max(float(x), _MIN_LOGPROB)
 
 
-def usage(prompt_tokens: int, completion_tokens: int) -> dict[str, int]:
+def usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int = 0) -> dict[str, Any]:
+    """OpenAI's usage; ``prompt_tokens_details.cached_tokens``: prompt tokens whose KV came
+    from the prefix cache."""
     return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
-            "total_tokens": prompt_tokens + completion_tokens}
+            "total_tokens": prompt_tokens + completion_tokens,
+            "prompt_tokens_details": {"cached_tokens": cached_tokens}}
 
 
 @dataclass(frozen=True)
@@ -60,15 +63,19 @@ class Head:
 # ---------------------------------------------------------------------- logprobs
 
 
-def _token_text(tid: int, lp: Logprob) -> str:
-    return lp.decoded_token if lp.decoded_token is not None else f"token_id:{tid}"
+def _token_text(tid: int, lp: Logprob | None, as_ids: bool = False) -> str:
+    """A logprob entry's token string; ``as_ids`` (vLLM's ``return_tokens_as_token_ids``):
+    ``token_id:<id>`` whatever it decodes to."""
+    if as_ids or lp is None or lp.decoded_token is None:
+        return f"token_id:{tid}"
+    return lp.decoded_token
 
 
-def _chosen(position: LogprobsDict, token_id: int) -> tuple[str, float]:
+def _chosen(position: LogprobsDict, token_id: int, as_ids: bool) -> tuple[str, float]:
     lp = position.get(token_id)
     if lp is None:  # cannot happen for engine outputs; keep the body valid anyway
         return f"token_id:{token_id}", _MIN_LOGPROB
-    return _token_text(token_id, lp), _lp(lp.logprob)
+    return _token_text(token_id, lp, as_ids), _lp(lp.logprob)
 
 
 def _ranked(position: LogprobsDict) -> list[tuple[int, Logprob]]:
@@ -77,8 +84,8 @@ def _ranked(position: LogprobsDict) -> list[tuple[int, Logprob]]:
 
 
 def completion_logprobs(token_ids: Sequence[int], positions: Sequence[LogprobsDict | None],
-                        offset: int, decode: Callable[[int], str] | None = None
-                        ) -> dict[str, Any]:
+                        offset: int, decode: Callable[[int], str] | None = None,
+                        as_ids: bool = False) -> dict[str, Any]:
     """The legacy completions ``logprobs`` object for these tokens; ``offset`` is the text
     offset of the first one. A None position (the prompt's first token) has no logprob; its
     text comes from ``decode``."""
@@ -86,11 +93,11 @@ def completion_logprobs(token_ids: Sequence[int], positions: Sequence[LogprobsDi
     for tid, pos in zip(token_ids, positions):
         offsets.append(offset)
         if pos is None:
-            text = decode(tid) if decode is not None else f"token_id:{tid}"
+            text = decode(tid) if decode is not None and not as_ids else f"token_id:{tid}"
             lp, top = None, None
         else:
-            text, lp = _chosen(pos, tid)
-            top = {_token_text(t, p): _lp(p.logprob) for t, p in pos.items()}
+            text, lp = _chosen(pos, tid, as_ids)
+            top = {_token_text(t, p, as_ids): _lp(p.logprob) for t, p in pos.items()}
         tokens.append(text)
         token_lps.append(lp)
         tops.append(top)
@@ -104,12 +111,13 @@ def _chat_entry(text: str, lp: float) -> dict[str, Any]:
 
 
 def chat_logprobs(token_ids: Sequence[int], positions: Sequence[LogprobsDict],
-                  top_n: int) -> dict[str, Any]:
+                  top_n: int, as_ids: bool = False) -> dict[str, Any]:
     """The chat ``logprobs`` object: per token, its logprob and up to ``top_n`` alternatives."""
     content = []
     for tid, pos in zip(token_ids, positions):
-        text, lp = _chosen(pos, tid)
-        top = [_chat_entry(_token_text(t, p), _lp(p.logprob)) for t, p in _ranked(pos)[:top_n]]
+        text, lp = _chosen(pos, tid, as_ids)
+        top = [_chat_entry(_token_text(t, p, as_ids), _lp(p.logprob))
+               for t, p in _ranked(pos)[:top_n]]
         content.append({**_chat_entry(text, lp), "top_logprobs": top})
     return {"content": content}
 
@@ -130,11 +138,9 @@ def prompt_logprobs_json(positions: Sequence[LogprobsDict | None] | None) -> lis
 def completion_choice(index: int, text: str, logprobs: dict | None, finish_reason: str | None,
                       stop_reason: int | str | None, prompt_logprobs: list | None = None
                       ) -> dict[str, Any]:
-    choice = {"index": index, "text": text, "logprobs": logprobs,
-              "finish_reason": finish_reason, "stop_reason": stop_reason}
-    if prompt_logprobs is not None:
-        choice["prompt_logprobs"] = prompt_logprobs
-    return choice
+    return {"index": index, "text": text, "logprobs": logprobs,
+            "finish_reason": finish_reason, "stop_reason": stop_reason,
+            "prompt_logprobs": prompt_logprobs}  # null when not asked for, as vLLM's
 
 
 def chat_choice(index: int, text: str, logprobs: dict | None, finish_reason: str | None,

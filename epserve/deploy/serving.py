@@ -171,7 +171,8 @@ class OpenAIServing:
         if req.echo and first:
             plps = out.prompt_logprobs or [None] * len(prompt.ids)
             ids, lps = prompt.ids + ids, list(plps) + lps
-        return R.completion_logprobs(ids, lps, offset, self._decode_one)
+        return R.completion_logprobs(ids, lps, offset, self._decode_one,
+                                     bool(req.return_tokens_as_token_ids))
 
     def _prompt_text(self, p: Prompt) -> str:
         return p.text if p.text is not None else self._decode(p.ids)
@@ -190,8 +191,9 @@ class OpenAIServing:
                 choices.append(_with_ids(choice, req, c.token_ids, p.ids))
                 n_gen += len(c.token_ids)
         n_prompt = sum(len(p.ids) for p in prompts)
-        return head.body(choices=choices, usage=R.usage(n_prompt, n_gen),
-                         system_fingerprint=None)
+        return head.body(choices=choices, usage=R.usage(
+            n_prompt, n_gen, sum(out.num_cached_tokens for out in finals)),
+            system_fingerprint=None)
 
     def _completion_stream(self, req: CompletionRequest, head: R.Head,
                            prompts: list[Prompt], fan: Fanout) -> AsyncIterator[str]:
@@ -227,11 +229,13 @@ class OpenAIServing:
                     c = chunk(i, out, d)
                     if req.continuous_usage:
                         c["usage"] = R.usage(sum(tracker.prompt_tokens),
-                                             tracker.completion_tokens)
+                                             tracker.completion_tokens,
+                                             sum(tracker.cached_tokens))
                     yield R.sse(c)
             if req.include_usage:
                 yield R.sse(head.body(choices=[], usage=R.usage(
-                    sum(tracker.prompt_tokens), tracker.completion_tokens)))
+                    sum(tracker.prompt_tokens), tracker.completion_tokens,
+                    sum(tracker.cached_tokens))))
         except ApiError as exc:
             yield R.sse(exc.body())
         except Exception:  # a bug here must still end the stream properly
@@ -270,12 +274,15 @@ class OpenAIServing:
         choices = [_with_ids(R.chat_choice(c.index, echo + c.text,
                                            self._chat_lps(req, c.token_ids, c.logprobs),
                                            c.finish_reason, c.stop_reason),
-                             req, c.token_ids, prompt.ids) for c in out.outputs]
+                             req, c.token_ids, prompt.ids, with_prompt=False)
+                   for c in out.outputs]
         body = head.body(choices=choices, usage=R.usage(
-            len(prompt.ids), sum(len(c.token_ids) for c in out.outputs)),
-            system_fingerprint=None)
-        if req.prompt_logprobs is not None:
-            body["prompt_logprobs"] = R.prompt_logprobs_json(out.prompt_logprobs)
+            len(prompt.ids), sum(len(c.token_ids) for c in out.outputs), out.num_cached_tokens),
+            system_fingerprint=None,
+            prompt_logprobs=R.prompt_logprobs_json(out.prompt_logprobs)
+            if req.prompt_logprobs is not None else None)  # null when not asked for
+        if req.return_token_ids:  # a chat response's prompt ids sit at the top, as vLLM's
+            body["prompt_token_ids"] = list(prompt.ids)
         return body
 
     @staticmethod
@@ -289,7 +296,8 @@ class OpenAIServing:
     def _chat_lps(req: ChatCompletionRequest, ids: Sequence[int], lps: Any) -> dict | None:
         if not req.logprobs:
             return None
-        return R.chat_logprobs(ids, lps or [], req.top_logprobs or 0)
+        return R.chat_logprobs(ids, lps or [], req.top_logprobs or 0,
+                               bool(req.return_tokens_as_token_ids))
 
     def _chat_stream(self, req: ChatCompletionRequest, head: R.Head, fan: Fanout,
                      echo: str, prompt_ids: list[int]) -> AsyncIterator[str]:
@@ -297,6 +305,8 @@ class OpenAIServing:
         extra = {"usage": None} if req.include_usage else {}
         if req.continuous_usage:
             extra = {"usage": R.usage(len(prompt_ids), 0)}
+        if req.return_token_ids:  # the prompt's ids once, at the top of the opening chunks
+            extra = {**extra, "prompt_token_ids": list(prompt_ids)}
         opening = [head.body(choices=[R.chat_delta(k, {"role": "assistant", "content": ""})],
                              **extra) for k in range(req.n)]
         extra = {"usage": None} if req.include_usage else {}
@@ -307,7 +317,7 @@ class OpenAIServing:
             delta = {"content": text} if (text or not d.finish_reason) else {}
             lps = self._chat_lps(req, d.token_ids, d.logprobs)
             choice = R.chat_delta(d.index, delta, lps, d.finish_reason, d.stop_reason)
-            return head.body(choices=[_with_ids(choice, req, d.token_ids, prompt_ids, d.first)],
+            return head.body(choices=[_with_ids(choice, req, d.token_ids, prompt_ids, False)],
                              **extra)
 
         return self._sse(fan, tracker, req, chunk, head, want_lp=bool(req.logprobs),

@@ -125,6 +125,7 @@ class DeltaTracker:
         self.sent_any = [False] * total
         self.finished = [False] * total
         self.prompt_tokens = [0] * num_prompts
+        self.cached_tokens = [0] * num_prompts
 
     @property
     def completion_tokens(self) -> int:
@@ -136,6 +137,7 @@ class DeltaTracker:
         nothing are left out (a choice with new tokens but no new text is kept when logprobs
         or token ids are wanted, so every token is sent as soon as it exists)."""
         self.prompt_tokens[prompt_index] = len(out.prompt_token_ids)
+        self.cached_tokens[prompt_index] = out.num_cached_tokens
         deltas = []
         for c in out.outputs:
             k = prompt_index * self.n + c.index

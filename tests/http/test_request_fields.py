@@ -81,3 +81,48 @@ def test_continuous_usage_stats_puts_usage_in_every_chunk(server, client, route)
     chunks = list(client.completions.create(prompt=IDS[:6], **plain)) if route != "chat" \
         else list(client.chat.completions.create(messages=CHAT, **plain))
     assert all(c.usage is None for c in chunks)
+
+
+def _post(server, route: str, body: dict) -> dict:
+    import requests
+
+    r = requests.post(f"{server.v1}/{route}", json={"model": server.model, **body},
+                      headers=server.auth, timeout=60)
+    assert r.status_code == 200, r.text
+    return r.json()
+
+
+def test_response_shapes_are_vllms(server):
+    """prompt_logprobs is null when not asked for (on the completion choice, at the top of a
+    chat response); chat's prompt_token_ids sit at the top; usage says the cached tokens."""
+    cmpl = _post(server, "completions", {"prompt": IDS[:5], "max_tokens": 2})
+    assert "prompt_logprobs" in cmpl["choices"][0] and cmpl["choices"][0]["prompt_logprobs"] is None
+    chat = _post(server, "chat/completions", {"messages": CHAT, "max_tokens": 2,
+                                              "return_token_ids": True})
+    assert "prompt_logprobs" in chat and chat["prompt_logprobs"] is None
+    assert chat["prompt_token_ids"] and "prompt_token_ids" not in chat["choices"][0]
+    assert len(chat["choices"][0]["token_ids"]) == chat["usage"]["completion_tokens"]
+    assert chat["usage"]["prompt_tokens"] == len(chat["prompt_token_ids"])
+
+
+def test_cached_tokens_come_from_the_prefix_cache(server, client):
+    long = [(11 * i) % 300 + 7 for i in range(80)]  # five full 16-token blocks and more
+    first = client.completions.create(model=server.model, prompt=long, max_tokens=2)
+    again = client.completions.create(model=server.model, prompt=long, max_tokens=2)
+    assert first.usage.prompt_tokens_details.cached_tokens == 0
+    assert again.usage.prompt_tokens_details.cached_tokens >= 64  # whole blocks, last recomputed
+
+
+def test_return_tokens_as_token_ids_names_tokens_by_id(server):
+    body = {"prompt": IDS[:5], "max_tokens": 3, "logprobs": 2, "temperature": 0,
+            "return_tokens_as_token_ids": True, "return_token_ids": True}
+    out = _post(server, "completions", body)["choices"][0]
+    assert out["logprobs"]["tokens"] == [f"token_id:{t}" for t in out["token_ids"]]
+    assert all(k.startswith("token_id:") for top in out["logprobs"]["top_logprobs"] for k in top)
+    chat = _post(server, "chat/completions", {"messages": CHAT, "max_tokens": 3, "logprobs": True,
+                                              "top_logprobs": 2, "return_token_ids": True,
+                                              "return_tokens_as_token_ids": True})["choices"][0]
+    got = [e["token"] for e in chat["logprobs"]["content"]]
+    assert got == [f"token_id:{t}" for t in chat["token_ids"]]
+    plain = _post(server, "completions", {**body, "return_tokens_as_token_ids": False})
+    assert not any(t.startswith("token_id:") for t in plain["choices"][0]["logprobs"]["tokens"])
