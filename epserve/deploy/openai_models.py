@@ -211,6 +211,8 @@ class TokenizeRequest(BaseModel):
     messages: list[ChatMessage] | None = Field(None, max_length=4096)
     add_special_tokens: bool = True
     add_generation_prompt: bool = True
+    continue_final_message: bool = False
+    return_token_strs: bool = False
 
 
 class DetokenizeRequest(BaseModel):

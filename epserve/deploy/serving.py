@@ -338,11 +338,20 @@ class OpenAIServing:
         if req.messages is not None:
             if not req.messages:
                 raise bad_request("messages must not be empty", param="messages")
-            ids = (await self.render_chat(req)).ids
+            if req.continue_final_message and req.add_generation_prompt:
+                raise bad_request("continue_final_message and add_generation_prompt cannot "
+                                  "both be true", param="continue_final_message")
+            ids = (await self.render_chat(req, req.continue_final_message)).ids
         else:
+            if req.continue_final_message:
+                raise bad_request("continue_final_message needs messages",
+                                  param="continue_final_message")
             ids = await self._encode(req.prompt or "", req.add_special_tokens, "prompt")
+        strs = None
+        if req.return_token_strs:
+            strs = list(self._need_tokenizer("tokenize", "prompt").convert_ids_to_tokens(ids))
         return {"count": len(ids), "max_model_len": self.info.max_model_len, "tokens": ids,
-                "token_strs": None}
+                "token_strs": strs}
 
     async def detokenize(self, body: dict[str, Any]) -> dict[str, Any]:
         req: DetokenizeRequest = validate(DetokenizeRequest, body)

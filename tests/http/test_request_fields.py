@@ -126,3 +126,34 @@ def test_return_tokens_as_token_ids_names_tokens_by_id(server):
     assert got == [f"token_id:{t}" for t in chat["token_ids"]]
     plain = _post(server, "completions", {**body, "return_tokens_as_token_ids": False})
     assert not any(t.startswith("token_id:") for t in plain["choices"][0]["logprobs"]["tokens"])
+
+
+def test_tokenize_honours_the_chat_options_and_returns_token_strings(server):
+    msgs = CHAT + [{"role": "assistant", "content": "Hello the"}]
+    cont = _post_root(server, "tokenize", {"messages": msgs, "add_generation_prompt": False,
+                                          "continue_final_message": True})
+    closed = _post_root(server, "tokenize", {"messages": msgs, "add_generation_prompt": False})
+    assert cont["tokens"] != closed["tokens"]  # the last message is left open, not closed
+    chat = _post(server, "chat/completions", {
+        "messages": msgs, "add_generation_prompt": False, "continue_final_message": True,
+        "max_tokens": 1, "return_token_ids": True})
+    assert chat["prompt_token_ids"] == cont["tokens"]  # the same rendering as generation uses
+    strs = _post_root(server, "tokenize", {"prompt": "Hello the world",
+                                           "return_token_strs": True})
+    assert len(strs["token_strs"]) == strs["count"] and all(strs["token_strs"])
+    assert _post_root(server, "tokenize", {"prompt": "Hi"})["token_strs"] is None
+    import requests
+
+    r = requests.post(f"{server.base}/tokenize", headers=server.auth, timeout=30,
+                      json={"model": server.model, "messages": msgs,
+                            "continue_final_message": True})  # with add_generation_prompt
+    assert r.status_code == 400 and r.json()["error"]["param"] == "continue_final_message"
+
+
+def _post_root(server, route: str, body: dict) -> dict:
+    import requests
+
+    r = requests.post(f"{server.base}/{route}", json={"model": server.model, **body},
+                      headers=server.auth, timeout=60)
+    assert r.status_code == 200, r.text
+    return r.json()
