@@ -26,6 +26,7 @@ from dataclasses import dataclass, field
 from typing import Any, AsyncIterator, Callable, Sequence
 
 from epserve.head.engine import Engine
+from epserve.head.loop_log import LoopLog
 from epserve.head.output_builder import build_output
 from epserve.head.output_stream import Record, delta_record
 from epserve.head.outputs import CompletionOutput, RequestOutput
@@ -128,7 +129,7 @@ class AsyncEngine:
         self.failure: str | None = None  # why the last step broke the engine, if it did
         self.step_started_at: float | None = None
         self.steps = 0
-        self._times = _LoopTimes(log_every_s)
+        self._log = LoopLog(log_every_s)
         self._snapshot = engine_snapshot(engine, None, 0)
         self._thread = self._start_thread()
 
@@ -163,7 +164,7 @@ class AsyncEngine:
             t1 = time.monotonic()
             self._deliver(touched)
             self._publish()
-            self._times.add(t0, t1, time.monotonic(), self.engine)
+            self._log.step(t0, t1, time.monotonic(), self.engine)
         self._parked.set()
 
     def _guarded(self, call: Callable[[], Any]) -> Any:
@@ -194,7 +195,9 @@ class AsyncEngine:
             item = inbox.popleft()
             if isinstance(item, str):
                 self.engine.abort_request(item)
+                self._log.submitted.pop(item, None)
                 continue
+            self._log.submitted[item.request_id] = time.monotonic()
             try:
                 self.engine.add_request(item.request_id, item.prompt_ids, item.params,
                                         prompt=item.prompt)
@@ -207,6 +210,8 @@ class AsyncEngine:
         """Every listener's news of ``requests``: one hand-over per event loop."""
         by_loop: dict[asyncio.AbstractEventLoop, list] = {}
         for req in requests:
+            if req.finished:
+                self._log.finished(req)
             sink = self._sinks.get(req.request_id)
             if sink is None:
                 continue
@@ -333,34 +338,6 @@ class AsyncEngine:
     def snapshot(self) -> EngineSnapshot:
         """The counters as of the last step (never waits for the engine thread)."""
         return self._snapshot
-
-
-class _LoopTimes:
-    """Where the engine thread's time goes, logged every ``every_s`` while it steps: the
-    step itself, handing its outputs over, and the time outside both (the inbox, waiting)."""
-
-    def __init__(self, every_s: float):
-        self.every_s = every_s
-        self._reset(time.monotonic())
-
-    def _reset(self, now: float) -> None:
-        self.since, self.last_end, self.n = now, None, 0
-        self.step_s = self.deliver_s = self.outside_s = 0.0
-
-    def add(self, t0: float, t1: float, t2: float, engine: Engine) -> None:
-        if self.last_end is not None:
-            self.outside_s += t0 - self.last_end
-        self.n, self.step_s, self.deliver_s, self.last_end = \
-            self.n + 1, self.step_s + t1 - t0, self.deliver_s + t2 - t1, t2
-        if t2 - self.since < self.every_s:
-            return
-        ahead = getattr(engine.model, "lookahead", None)
-        hits = f"; decode lookahead {ahead.hits}/{ahead.launched} used" if ahead else ""
-        log.info("engine loop: %d steps in %.1f s; per step %.2f ms stepping, %.2f ms handing "
-                 "outputs over, %.2f ms between steps%s", self.n, t2 - self.since,
-                 1e3 * self.step_s / self.n, 1e3 * self.deliver_s / self.n,
-                 1e3 * self.outside_s / max(self.n - 1, 1), hits)
-        self._reset(t2)
 
 
 _BROKEN = object()  # _guarded's answer when the engine died

@@ -63,9 +63,10 @@ def test_one_message_per_step_whatever_the_requests_and_tokens(demo_model_dir):
         aengine.shutdown()
 
 
-def test_a_stepping_loop_logs_where_its_time_goes(demo_model_dir, caplog):
-    """The operator's view: every ``log_every_s`` a busy loop logs its steps, the time spent
-    stepping, handing outputs over and between steps."""
+def test_the_loop_logs_throughput_and_every_finished_request(demo_model_dir, caplog):
+    """The operator's view, as vLLM prints it: a periodic line with prompt and generation
+    throughput, running/waiting requests and KV usage, then where the engine thread's time
+    went; and one line per finished request."""
     import logging
     import re
 
@@ -77,7 +78,16 @@ def test_a_stepping_loop_logs_where_its_time_goes(demo_model_dir, caplog):
             asyncio.run(_serve(aengine, _prompts(3), params, llm.tokenizer))
     finally:
         aengine.shutdown()
-    lines = [r.getMessage() for r in caplog.records if "engine loop" in r.getMessage()]
-    assert lines, "no engine loop line logged"
-    assert re.fullmatch(r"engine loop: \d+ steps in [\d.]+ s; per step [\d.]+ ms stepping, "
-                        r"[\d.]+ ms handing outputs over, [\d.]+ ms between steps", lines[0])
+    msgs = [r.getMessage() for r in caplog.records]
+    loop = [m for m in msgs if m.startswith("engine loop")]
+    assert loop, msgs
+    assert re.fullmatch(r"engine loop: prompt throughput [\d.]+ tokens/s, generation throughput "
+                        r"[\d.]+ tokens/s, running \d+, waiting \d+, KV cache usage [\d.]+%; "
+                        r"\d+ steps in [\d.]+ s; per step [\d.]+ ms stepping, [\d.]+ ms "
+                        r"handing outputs over, [\d.]+ ms between steps", loop[0]), loop[0]
+    done = [m for m in msgs if m.startswith("request ")]
+    assert len(done) == 3, done
+    for i, p in enumerate(_prompts(3)):
+        pattern = (rf"request r{i} finished \(length\): prompt {len(p)} tokens \(0 cached\), "
+                   rf"4 generated in [\d.]+ s")
+        assert sum(bool(re.fullmatch(pattern, m)) for m in done) == 1, (pattern, done)
