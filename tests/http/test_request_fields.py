@@ -157,3 +157,13 @@ def _post_root(server, route: str, body: dict) -> dict:
                       headers=server.auth, timeout=60)
     assert r.status_code == 200, r.text
     return r.json()
+
+
+def test_a_stop_token_id_outside_the_vocabulary_is_a_400_naming_it(server, client):
+    vocab = client.models.list().data[0].model_extra.get("vocab_size") or 10**6
+    bad = vocab + 5
+    for call, kw in ((client.completions.create, {"prompt": "Hi"}),
+                     (client.chat.completions.create, {"messages": CHAT})):
+        err = _refused(call, model=server.model, max_tokens=2,
+                       extra_body={"stop_token_ids": [3, bad]}, **kw)
+        assert err.param == "stop_token_ids" and str(bad) in err.message, err.body
