@@ -116,9 +116,16 @@ class EngineArgs:
                              max_logprobs=self.max_logprobs)
 
     def resolved(self) -> "EngineArgs":
-        """The same args with ``model`` set (the demo model is built when it is None)."""
+        """The same args with ``model`` a local folder: the demo model (built when ``model`` is
+        None), or a hub id's snapshot (``models.hub``; the id becomes the served name)."""
         if self.model is not None:
-            return self
+            from epserve.models.hub import local_checkpoint
+
+            path = local_checkpoint(self.model)
+            if path == self.model:
+                return self
+            return dataclasses.replace(self, model=path, served_model_name=(
+                self.served_model_name or self.model))
         from epserve.models.demo import demo_model_path
 
         return dataclasses.replace(self, model=str(demo_model_path()))

@@ -68,8 +68,8 @@ class LLM:
             decode_lookahead=decode_lookahead, max_n=max_n, max_stop_strings=max_stop_strings,
             max_stop_chars=max_stop_chars, max_stop_token_ids=max_stop_token_ids,
             max_logprobs=max_logprobs)
+        args = args.resolved()  # the demo model built, a hub id fetched (or found cached)
         args.check_on_this_machine()  # device present, model and tokenizer folders
-        args = args.resolved()
         self.args = args
         self.model_path = str(args.model)
         # the one place that asks where the engine runs; every call below goes to the backend

@@ -12,8 +12,9 @@ import argparse
 def add_engine_flags(p: argparse.ArgumentParser) -> None:
     """The engine options as flags (``generate`` and ``serve`` alike)."""
     p.add_argument("--model", default=None,
-                   help="Hugging Face checkpoint folder (default: the built-in demo model, "
-                        "random weights)")
+                   help="Hugging Face checkpoint folder or hub id (org/name: fetched with "
+                        "huggingface_hub, or read from its cache; HF_HUB_OFFLINE honoured) "
+                        "(default: the built-in demo model, random weights)")
     p.add_argument("--tokenizer", default=None,
                    help="tokenizer folder (default: the model folder's own tokenizer)")
     p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
