@@ -126,6 +126,11 @@ class HeadActor:
             "vocab_size": self.runner.model_config.vocab_size,
             "ep_size": self.args.ep_size,
             "limits": dataclasses.asdict(self.args.request_limits()),
+            "cache_config": {  # vllm:cache_config_info's labels
+                "block_size": str(self.args.block_size),
+                "num_gpu_blocks": str(self.runner.num_total_blocks()),
+                "enable_prefix_caching": str(self.args.enable_prefix_caching),
+                "gpu_memory_utilization": str(self.args.gpu_memory_utilization)},
         }
 
     # The client channel: a client (an ingress replica, a remote LLM) submits requests in

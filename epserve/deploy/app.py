@@ -122,7 +122,8 @@ async def connect(config: AppConfig) -> tuple[OpenAIServing, Gate]:
                      max_model_len=int(facts["max_model_len"]),
                      vocab_size=int(facts["vocab_size"]),
                      limits=RequestLimits(**facts["limits"]))
-    serving = OpenAIServing(client, tokenizer, info, ServerMetrics(info.name))
+    serving = OpenAIServing(client, tokenizer, info,
+                            ServerMetrics(info.name, facts["cache_config"]))
     return serving, Gate(config.resolved_api_key(), config.max_body_bytes,
                          config.body_read_timeout_s)
 

@@ -11,8 +11,11 @@ from __future__ import annotations
 import time
 from typing import Any, Iterable, Mapping
 
+import prometheus_client
 from prometheus_client import CollectorRegistry, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+
+prometheus_client.disable_created_metrics()  # vLLM's exposition has no *_created series
 
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 
@@ -23,6 +26,11 @@ TPOT_BUCKETS = (0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1
                 7.5, 10.0, 20.0, 40.0, 80.0)
 E2E_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0,
                120.0, 240.0, 480.0, 960.0, 1920.0, 7680.0)
+ITL_BUCKETS = (0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0,
+               7.5, 10.0, 20.0, 40.0, 80.0)
+#: vLLM's token-count buckets (1, 2, 5 times powers of ten up to the context length).
+TOKEN_BUCKETS = tuple(m * 10 ** e for e in range(6) for m in (1, 2, 5))
+N_BUCKETS = (1, 2, 5, 10, 20)
 
 #: finished_reason label values of vllm:request_success_total (always exported, even at 0).
 FINISHED_REASONS = ("stop", "length", "abort", "error")
@@ -55,6 +63,10 @@ class _EngineCollector:
                      "generation_tokens"),
                     ("vllm:num_preemptions", "Cumulative number of preemptions.",
                      "num_preemptions"))
+        counters += (("vllm:prefix_cache_queries", "Prefix cache queries, in terms of number "
+                      "of queried tokens.", "prefix_cache_queries"),
+                     ("vllm:prefix_cache_hits", "Prefix cache hits, in terms of number of "
+                      "cached tokens.", "prefix_cache_hits"))
         for name, doc, key in counters:
             c = CounterMetricFamily(name, doc, labels=["model_name"])
             c.add_metric(labels, float(s.get(key, 0)))
@@ -71,9 +83,15 @@ class _EngineCollector:
 class ServerMetrics:
     """The ingress's registry: engine stats (set before each scrape) and latency histograms."""
 
-    def __init__(self, model_name: str):
+    def __init__(self, model_name: str, cache_config: Mapping[str, str] | None = None):
         self.model_name = model_name
         self.registry = CollectorRegistry(auto_describe=False)
+        if cache_config:
+            info = prometheus_client.Gauge("vllm:cache_config_info",
+                                           "Information of the LLMEngine CacheConfig",
+                                           labelnames=sorted(cache_config),
+                                           registry=self.registry)
+            info.labels(**cache_config).set(1)
         self._engine = _EngineCollector(model_name)
         self.registry.register(self._engine)
         kw = dict(labelnames=["model_name"], registry=self.registry)
@@ -86,6 +104,15 @@ class ServerMetrics:
         self.e2e = Histogram("vllm:e2e_request_latency_seconds",
                              "Histogram of end-to-end request latency in seconds.",
                              buckets=E2E_BUCKETS, **kw).labels(model_name)
+        self.itl = Histogram("vllm:inter_token_latency_seconds",
+                             "Histogram of inter-token latency in seconds.",
+                             buckets=ITL_BUCKETS, **kw).labels(model_name)
+        self.prompt_tokens = Histogram("vllm:request_prompt_tokens",
+                                       "Number of prefill tokens processed.",
+                                       buckets=TOKEN_BUCKETS, **kw).labels(model_name)
+        self.generation_tokens = Histogram("vllm:request_generation_tokens",
+                                           "Number of generation tokens processed.",
+                                           buckets=TOKEN_BUCKETS, **kw).labels(model_name)
 
     def render(self, stats: Mapping[str, Any]) -> bytes:
         """The exposition text with engine values from ``stats`` (``HeadActor.stats()``)."""
@@ -120,7 +147,10 @@ class RequestTimer:
                 self.metrics.ttft.observe(now - self.start)
             else:
                 self.metrics.tpot.observe((now - self.last) / new)
+                self.metrics.itl.observe(now - self.last)
             self.tokens, self.last = total, now
         if out.finished:
             self.done = True
             self.metrics.e2e.observe(now - self.start)
+            self.metrics.prompt_tokens.observe(len(out.prompt_token_ids))
+            self.metrics.generation_tokens.observe(total)

@@ -50,6 +50,8 @@ class EngineSnapshot:
     num_preemptions: int
     finished: dict[str, int] = field(default_factory=dict)
     steps: int = 0
+    prefix_cache_queries: int = 0
+    prefix_cache_hits: int = 0
 
 
 class EngineDead(RuntimeError):
@@ -363,7 +365,9 @@ def engine_snapshot(eng: Engine, dead: str | None, steps: int = 0) -> EngineSnap
         num_running=len(sched.running), num_waiting=len(sched.waiting),
         kv_usage=eng.model.kv_cache_usage(),
         prompt_tokens=eng.stats.prompt_tokens, generation_tokens=eng.stats.generation_tokens,
-        num_preemptions=sched.num_preemptions, finished=dict(eng.stats.finished), steps=steps)
+        num_preemptions=sched.num_preemptions, finished=dict(eng.stats.finished), steps=steps,
+        prefix_cache_queries=sched.prefix_cache_queries,
+        prefix_cache_hits=sched.prefix_cache_hits)
 
 
 def error_output(request_id: str, reason: str) -> RequestOutput:

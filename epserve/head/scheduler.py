@@ -64,6 +64,8 @@ class Scheduler:
         self.running: list[Sequence] = []
         self._admissions = 0
         self.num_preemptions = 0
+        # tokens looked up in the prefix cache at admission, and those found (vLLM's counters)
+        self.prefix_cache_queries = self.prefix_cache_hits = 0
 
     def add(self, seq: Sequence) -> None:
         seq.status = SeqStatus.WAITING
@@ -227,6 +229,8 @@ class Scheduler:
             state.output_index = len(seq.output_ids)
             if self.cfg.enable_prefix_caching:
                 self.model.match_prefix(state, tokens)
+                self.prefix_cache_queries += len(tokens)
+                self.prefix_cache_hits += state.reused_prefix_tokens
                 if not seq.output_ids:
                     seq.request.num_cached_tokens = max(seq.request.num_cached_tokens,
                                                         state.reused_prefix_tokens)
