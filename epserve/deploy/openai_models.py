@@ -11,7 +11,7 @@ reaches the client as the same 400 naming the field, so the edge keeps no copy o
 
 from __future__ import annotations
 
-from typing import Any, Literal, Union
+from typing import Any, Union
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
@@ -140,8 +140,11 @@ class ContentPart(BaseModel):
 
 
 class ChatMessage(BaseModel):
+    """One message. ``role``: OpenAI's, or any other name the model's chat template knows (as
+    vLLM accepts custom roles); the template decides what it means."""
+
     model_config = _STRICT
-    role: Literal["system", "user", "assistant", "tool", "developer"]
+    role: str = Field(..., pattern=r"^[A-Za-z][\w-]{0,63}$")
     content: Union[str, list[ContentPart], None] = None
     name: str | None = None
 

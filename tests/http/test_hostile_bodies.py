@@ -96,7 +96,8 @@ _CHAT_ONLY = {
     "messages": st.one_of(
         _not(list), st.just([]),
         st.lists(_json.filter(lambda v: not isinstance(v, dict)), min_size=1, max_size=2),
-        st.just([{"role": "wizard", "content": "x"}]), st.just([{"content": "x"}]),
+        st.just([{"role": "", "content": "x"}]), st.just([{"role": "a b\n", "content": "x"}]),
+        st.just([{"content": "x"}]),
         st.just([{"role": "user", "content": 5}]),
         st.just([{"role": "user", "content": [{"type": "image_url", "image_url": {}}]}]),
         st.just([{"role": "user", "content": "word " * 6000}])),

@@ -167,3 +167,13 @@ def test_a_stop_token_id_outside_the_vocabulary_is_a_400_naming_it(server, clien
         err = _refused(call, model=server.model, max_tokens=2,
                        extra_body={"stop_token_ids": [3, bad]}, **kw)
         assert err.param == "stop_token_ids" and str(bad) in err.message, err.body
+
+
+def test_a_custom_role_reaches_the_chat_template(server):
+    """vLLM passes any role name to the template; the demo template renders it."""
+    body = {"messages": [{"role": "narrator", "content": "Once"}] + CHAT}
+    with_role = _post_root(server, "tokenize", body)
+    plain = _post_root(server, "tokenize", {"messages": CHAT})
+    assert with_role["count"] > plain["count"]
+    out = _post(server, "chat/completions", {**body, "max_tokens": 2})
+    assert out["usage"]["prompt_tokens"] == with_role["count"]
