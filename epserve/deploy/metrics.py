@@ -13,7 +13,11 @@ from typing import Any, Iterable, Mapping
 
 import prometheus_client
 from prometheus_client import CollectorRegistry, Histogram, generate_latest
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.core import (
+    CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily, Metric,
+)
+
+from epserve.head.request_timing import REQUEST_LATENCY_BUCKETS
 
 prometheus_client.disable_created_metrics()  # vLLM's exposition has no *_created series
 
@@ -24,8 +28,16 @@ TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75
                 7.5, 10.0, 20.0, 40.0, 80.0, 160.0, 640.0, 2560.0)
 TPOT_BUCKETS = (0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0,
                 7.5, 10.0, 20.0, 40.0, 80.0)
-E2E_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0,
-               120.0, 240.0, 480.0, 960.0, 1920.0, 7680.0)
+E2E_BUCKETS = REQUEST_LATENCY_BUCKETS
+#: The engine's histograms (``head.request_timing``), as vLLM documents them.
+ENGINE_HISTOGRAMS = {
+    "vllm:request_queue_time_seconds": "Histogram of time spent in WAITING phase for request.",
+    "vllm:request_prefill_time_seconds": "Histogram of time spent in PREFILL phase for request.",
+    "vllm:request_decode_time_seconds": "Histogram of time spent in DECODE phase for request.",
+    "vllm:request_inference_time_seconds": "Histogram of time spent in RUNNING phase for "
+                                           "request.",
+    "vllm:iteration_tokens_total": "Histogram of number of tokens per engine_step.",
+}
 ITL_BUCKETS = (0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0,
                7.5, 10.0, 20.0, 40.0, 80.0)
 #: vLLM's token-count buckets (1, 2, 5 times powers of ten up to the context length).
@@ -71,6 +83,18 @@ class _EngineCollector:
             c = CounterMetricFamily(name, doc, labels=["model_name"])
             c.add_metric(labels, float(s.get(key, 0)))
             yield c
+        hists = s.get("histograms") or {}
+        for name, doc in ENGINE_HISTOGRAMS.items():
+            if name not in hists:
+                continue
+            bounds, counts, total = hists[name]
+            cum, acc = [], 0
+            for bound, count in zip([*map(float, bounds), float("inf")], counts):
+                acc += count
+                cum.append(("+Inf" if bound == float("inf") else repr(bound), acc))
+            h = HistogramMetricFamily(name, doc, labels=["model_name"])
+            h.add_metric(labels, cum, float(total))
+            yield h
         finished = dict(s.get("finished") or {})
         c = CounterMetricFamily("vllm:request_success", "Count of successfully processed "
                                 "requests (per completion), by finish reason.",

@@ -52,6 +52,7 @@ class EngineSnapshot:
     steps: int = 0
     prefix_cache_queries: int = 0
     prefix_cache_hits: int = 0
+    histograms: dict = field(default_factory=dict)  # name -> (buckets, counts, sum)
 
 
 class EngineDead(RuntimeError):
@@ -367,7 +368,7 @@ def engine_snapshot(eng: Engine, dead: str | None, steps: int = 0) -> EngineSnap
         prompt_tokens=eng.stats.prompt_tokens, generation_tokens=eng.stats.generation_tokens,
         num_preemptions=sched.num_preemptions, finished=dict(eng.stats.finished), steps=steps,
         prefix_cache_queries=sched.prefix_cache_queries,
-        prefix_cache_hits=sched.prefix_cache_hits)
+        prefix_cache_hits=sched.prefix_cache_hits, histograms=eng.timings.export())
 
 
 def error_output(request_id: str, reason: str) -> RequestOutput:

@@ -13,12 +13,14 @@ import dataclasses
 import itertools
 import logging
 import random
+import time
 from dataclasses import dataclass, field
 from typing import Any, Sequence as Seq
 
 from epserve.head.detokenizer import IncrementalDetokenizer
 from epserve.head.limits import RequestLimits
 from epserve.head.output_builder import build_output
+from epserve.head.request_timing import EngineTimings
 from epserve.head.outputs import RequestOutput
 from epserve.head.sampling_params import SamplingParams
 from epserve.head.scheduler import Scheduler, SchedulerConfig, StepPlan
@@ -79,6 +81,7 @@ class Engine:
         self.scheduler = Scheduler(model, cfg.scheduler)
         self.requests: dict[str, Request] = {}
         self.stats = EngineStats()
+        self.timings = EngineTimings()
         self._rng = random.Random(cfg.seed)
         self._arrivals = itertools.count()
         self._ids = itertools.count()
@@ -95,6 +98,7 @@ class Engine:
         room = self.cfg.max_model_len - len(ids)
         max_tokens = room if params.max_tokens is None else min(params.max_tokens, room)
         req = Request(request_id, prompt, ids, params, max_tokens, next(self._arrivals))
+        req.arrived_s = time.monotonic()
         automaton = StopAutomaton(params.stop)  # once per request: its n completions share it
         for i in range(params.n):
             seed = (_mix_seed(params.seed, i) if params.seed is not None
@@ -169,6 +173,7 @@ class Engine:
             self.requests[req.request_id] = req
         old.requests = {}
         self.stats = old.stats
+        self.timings = old.timings
         self._rng, self._arrivals, self._ids = old._rng, old._arrivals, old._ids
 
     def fail_all(self, reason: str) -> list[Request]:
@@ -199,6 +204,8 @@ class Engine:
         """Run one model step; every request it changed, in the order it changed them. The
         finished ones are retired (no longer in ``requests``; counted in ``stats``)."""
         plan = self.scheduler.schedule()
+        if not plan.empty:
+            self.timings.step(plan.num_tokens)
         touched: dict[str, Request] = {}
         for seq, reason in plan.failed:
             self._fail_seq(seq, reason, touched)
@@ -241,6 +248,8 @@ class Engine:
             return
         seq.output_ids.append(tok.token_id)
         seq.sampled.append(tok)
+        if seq.request.first_token_s is None:
+            seq.request.first_token_s = time.monotonic()
         self.stats.generation_tokens += 1
         n = len(seq.output_ids)
         before = len(seq.detok.text)
@@ -276,9 +285,11 @@ class Engine:
         touched[seq.request.request_id] = seq.request
 
     def _retire(self, touched: dict[str, Request]) -> list[Request]:
+        now = time.monotonic()
         for req in touched.values():
             if req.finished:
                 self.requests.pop(req.request_id, None)
+                self.timings.finished(req, now)
                 for seq in req.seqs:
                     key = seq.finish_reason or "abort"
                     self.stats.finished[key] = self.stats.finished.get(key, 0) + 1

@@ -13,6 +13,7 @@ at most one of ``waiting`` / ``running``; nothing here touches torch.
 
 from __future__ import annotations
 
+import time
 from collections import deque
 from dataclasses import dataclass, field
 
@@ -243,6 +244,8 @@ class Scheduler:
             self.waiting.popleft()
             seq.status = SeqStatus.RUNNING
             seq.admitted_at = self._admissions
+            if seq.request.scheduled_s is None:
+                seq.request.scheduled_s = time.monotonic()
             self._admissions += 1
             self.running.append(seq)
             self._plan_row(seq, n, plan)

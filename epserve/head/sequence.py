@@ -93,6 +93,11 @@ class Request:
     user_data: Any = None
     sent_prompt_logprobs: bool = False
     sent_finished: bool = False
+    # monotonic times for /metrics: came in (engine), first scheduled (scheduler), first token
+    # (engine)
+    arrived_s: float = 0.0
+    scheduled_s: float | None = None
+    first_token_s: float | None = None
 
     @property
     def finished(self) -> bool:

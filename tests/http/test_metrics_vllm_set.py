@@ -1,5 +1,6 @@
 """/metrics carries the rest of vLLM's set: inter-token latency, prompt and generation token
-histograms, prefix-cache queries and hits, cache_config_info, and no ``*_created`` series."""
+histograms, prefix-cache queries and hits, the engine's queue/prefill/decode/inference time and
+tokens-per-step histograms, cache_config_info, and no ``*_created`` series."""
 
 from __future__ import annotations
 
@@ -33,5 +34,14 @@ def test_the_rest_of_vllms_metrics_move_as_requests_do(server, client):
     assert d["vllm:prefix_cache_queries_total"] == 2 * len(LONG)
     assert d["vllm:prefix_cache_hits_total"] >= 64
     assert metric(after, "vllm:cache_config_info", block_size="16") == 1.0
+    for name in ("vllm:request_queue_time_seconds", "vllm:request_prefill_time_seconds",
+                 "vllm:request_decode_time_seconds", "vllm:request_inference_time_seconds"):
+        assert metric(after, name + "_count") - metric(before, name + "_count") >= 2, name
+        assert metric(after, name + "_bucket", le="+Inf") == metric(after, name + "_count")
+    steps = metric(after, "vllm:iteration_tokens_total_count") - \
+        metric(before, "vllm:iteration_tokens_total_count")
+    tokens = metric(after, "vllm:iteration_tokens_total_sum") - \
+        metric(before, "vllm:iteration_tokens_total_sum")
+    assert steps >= 8 and tokens >= 2 * len(LONG) - 64 + 8  # prefill (less the hit) + decode
     text = requests.get(f"{server.base}/metrics", headers=server.auth, timeout=30).text
     assert "_created" not in text
