@@ -115,11 +115,12 @@ def serve_main(args: argparse.Namespace) -> int:
 
 
 def _shutdown(serve: Any, joined: bool, cfg: AppConfig, stop_head: Any) -> None:
+    """Stop the app (its replicas drain), then the engine. On a local cluster the caller's
+    ``ray.shutdown`` ends Serve's controller and proxy with it: ``serve.shutdown`` there
+    killed the controller under its own retried graceful-shutdown task, and Ray printed that
+    task's failure on every Ctrl-C."""
     try:
-        if joined:
-            serve.delete(APP_NAME)
-        else:
-            serve.shutdown()
+        serve.delete(APP_NAME)
     except Exception as exc:  # best effort: the cluster may already be going away
         _say(f"stopping the app: {exc}")
     try:
