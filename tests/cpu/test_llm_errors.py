@@ -1,14 +1,13 @@
 """What a user of the offline API sees when something is wrong: a ``ValueError`` (or
 ``CheckpointError``, ``CapabilityAbsent``) that names the culprit, raised before anything
 runs, and an engine left as if the call never happened; failures inside a run end only the
-requests concerned, with finish_reason "error"; aborts give the KV cache back.
+requests concerned, with finish_reason "error" (aborts: ``test_llm_abort.py``).
 """
 
 from __future__ import annotations
 
 import json
 import shutil
-import threading
 from pathlib import Path
 
 import pytest
@@ -16,55 +15,7 @@ import pytest
 from epserve import LLM, SamplingParams
 from epserve.models.config import CheckpointError
 from epserve.models.traits import CapabilityAbsent
-
-
-def _ids(p: list[int]) -> dict:
-    return {"prompt_token_ids": p}
-
-
-def _greedy(**kw) -> SamplingParams:
-    return SamplingParams(temperature=0.0, **kw)
-
-
-def _within(seconds: float, fn, *args, **kwargs):
-    """Run ``fn`` in a thread; fail (not hang) when it does not return in ``seconds``."""
-    box: dict = {}
-
-    def target():
-        try:
-            box["value"] = fn(*args, **kwargs)
-        except BaseException as exc:  # re-raised in the test's thread
-            box["error"] = exc
-
-    t = threading.Thread(target=target, daemon=True)
-    t.start()
-    t.join(seconds)
-    if t.is_alive():
-        pytest.fail(f"{getattr(fn, '__name__', fn)} did not return within {seconds}s (hang)")
-    if "error" in box:
-        raise box["error"]
-    return box["value"]
-
-
-@pytest.fixture(scope="module")
-def shared_llm(qwen3_ckpt) -> LLM:
-    return LLM(model=str(qwen3_ckpt), dtype="float32", seed=0, max_model_len=64)
-
-
-@pytest.fixture
-def llm(shared_llm):
-    """The module's LLM; whatever a failing test left queued is aborted after it, so that
-    one failure does not cascade into the next tests (each test checks ``_idle`` itself)."""
-    yield shared_llm
-    for rid in list(shared_llm.engine.requests):
-        shared_llm.engine.abort_request(rid)
-
-
-def _idle(llm: LLM) -> None:
-    assert not llm.engine.has_unfinished()
-    assert llm.engine.requests == {}
-    pool = llm.runner.pool
-    assert llm.runner.num_free_blocks() + pool.num_cached_free_blocks() == llm.runner.num_total_blocks()
+from llm_kit import _greedy, _ids, _idle, _within
 
 
 # ---------------------------------------------------------------------------- SamplingParams
@@ -327,105 +278,3 @@ def test_kv_pool_too_small_for_one_sequence_fails_it_with_error(qwen3_ckpt):
     assert grow.outputs[0].finish_reason == "error" and "KV cache" in grow.error
     assert 0 < len(grow.outputs[0].token_ids) < 10
     _idle(llm)
-
-
-# ---------------------------------------------------------------------------- abort
-
-
-def test_abort_mid_generation_frees_kv_and_spares_the_others(qwen3_ckpt):
-    llm = LLM(model=str(qwen3_ckpt), dtype="float32", block_size=4, num_kv_blocks=32)
-    eng = llm.engine
-    keep_params = _greedy(max_tokens=10, ignore_eos=True)
-    want = llm.generate(_ids([11, 12, 13]), keep_params)[0].outputs[0].token_ids
-    eng.add_request("victim", list(range(3, 20)), _greedy(max_tokens=30, ignore_eos=True))
-    eng.add_request("keep", [11, 12, 13], keep_params)
-    outs = []
-    for _ in range(3):
-        outs += eng.step()
-    assert [o for o in outs if o.request_id == "victim"][-1].outputs[0].token_ids  # it ran
-    used = llm.runner.num_total_blocks() - llm.runner.num_free_blocks() - llm.runner.pool.num_cached_free_blocks()
-    assert used > 0
-    eng.abort_request("victim")
-    eng.abort_request("victim")  # twice, or an unknown id: nothing happens
-    eng.abort_request("no-such-request")
-    assert "victim" not in eng.requests
-    after = []
-    while eng.has_unfinished():
-        after += eng.step()
-    for o in after:
-        if o.request_id == "victim":
-            assert o.outputs[0].finish_reason == "abort"
-    keep = [o for o in after if o.request_id == "keep"][-1]
-    assert keep.finished and keep.outputs[0].token_ids == want
-    _idle(llm)
-
-
-def test_abort_of_a_waiting_request_and_of_everything(qwen3_ckpt):
-    llm = LLM(model=str(qwen3_ckpt), dtype="float32", block_size=4, num_kv_blocks=32)
-    eng = llm.engine
-    for i in range(3):
-        eng.add_request(f"r{i}", [5 + i, 6, 7, 8, 9], _greedy(max_tokens=20, ignore_eos=True))
-    eng.abort_request("r2")  # still waiting: never runs
-    seen = set()
-    for _ in range(2):
-        seen |= {o.request_id for o in eng.step()}
-    assert "r2" not in seen
-    for rid in ("r0", "r1"):
-        eng.abort_request(rid)
-    assert not eng.has_unfinished()
-    assert eng.step() == []
-    _idle(llm)
-
-
-def test_stream_closed_early_aborts_its_request(llm):
-    it = llm.stream(_ids([5, 6, 7]), _greedy(max_tokens=30, ignore_eos=True))
-    first = next(it)
-    assert not first.finished
-    assert llm.engine.has_unfinished()
-    it.close()
-    _idle(llm)
-    unstarted = llm.stream(_ids([5, 6, 7]), _greedy(max_tokens=30))
-    del unstarted  # never iterated: nothing was queued
-    _idle(llm)
-
-
-def test_stream_finished_by_another_call_ends_instead_of_hanging(qwen3_ckpt):
-    llm = LLM(model=str(qwen3_ckpt), dtype="float32")  # its own: a hang leaves a busy thread
-    sp = _greedy(max_tokens=4, ignore_eos=True)
-    want = llm.generate(_ids([5, 6, 7]), sp)[0].outputs[0]
-    it = llm.stream(_ids([5, 6, 7]), sp)
-    next(it)
-    # generate() drives the engine to the end, finishing the suspended stream's request too.
-    llm.generate(_ids([8, 9]), _greedy(max_tokens=10, ignore_eos=True))
-    rest = _within(30, list, it)
-    assert rest and rest[-1].finished
-    assert rest[-1].outputs[0].token_ids == want.token_ids
-    assert rest[-1].outputs[0].finish_reason == "length"
-    _idle(llm)
-
-
-def test_abort_mid_chunked_prefill_then_the_prompt_reuses_its_blocks(qwen3_ckpt):
-    prompt = list(range(5, 45))
-    sp = _greedy(max_tokens=8, ignore_eos=True)
-    want = LLM(model=str(qwen3_ckpt), dtype="float32").generate(_ids(prompt), sp)[0].outputs[0]
-    llm = LLM(model=str(qwen3_ckpt), dtype="float32", block_size=4, max_num_batched_tokens=6,
-              num_kv_blocks=20)
-    eng = llm.engine
-    eng.add_request("a", prompt, sp)
-    for _ in range(3):
-        assert eng.step() == []  # prefill chunks: nothing to show yet
-    eng.abort_request("a")
-    _idle(llm)
-    out = llm.generate(_ids(prompt), sp)[0]
-    assert out.outputs[0].token_ids == want.token_ids
-    assert out.num_cached_tokens == 16  # the 4 full blocks the aborted chunks computed
-    _idle(llm)
-
-
-def test_aborted_requests_are_counted_in_the_finished_stats(qwen3_ckpt):
-    llm = LLM(model=str(qwen3_ckpt), dtype="float32")
-    eng = llm.engine
-    eng.add_request("a", [5, 6, 7], _greedy(max_tokens=20, ignore_eos=True))
-    eng.step()
-    eng.abort_request("a")
-    assert eng.stats.finished.get("abort") == 1
