@@ -2,7 +2,8 @@
 
 Invariants: every answer that is not a success is OpenAI's error JSON (unknown routes and
 methods included, and any unexpected exception, which is logged and answered 500 without
-internals); every path but /health needs the API key when one is set, and a body is read only
+internals); every path but /health and /ping needs the API key when one is set (``gate``;
+vLLM's endpoints beside the API are ``vllm_routes``), and a body is read only
 as application/json, within ``max_body_bytes`` and ``body_read_timeout_s`` (``gate``), and
 parsed with bounded depth before any model is built from it; pydantic stays at this edge —
 the engine gets plain values.
@@ -20,11 +21,13 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+import epserve
 from epserve.deploy.config import AppConfig
 from epserve.deploy.errors import ApiError
 from epserve.deploy.gate import AuthMiddleware, Gate, error_response
 from epserve.deploy.metrics import CONTENT_TYPE, ServerMetrics
 from epserve.deploy.serving import ModelInfo, OpenAIServing
+from epserve.deploy.vllm_routes import LoadTracker, ServerLoad, add_vllm_routes, health_response
 from epserve.head.limits import RequestLimits
 
 log = logging.getLogger(__name__)
@@ -35,8 +38,10 @@ _SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
 def make_fastapi_app(serving: OpenAIServing, gate: Gate) -> FastAPI:
     """The OpenAI routes over ``serving``; usable without Ray Serve (e.g. under uvicorn)."""
     app = FastAPI(title="epserve", summary="OpenAI-compatible API of an epserve engine",
-                  version="0.1.0")
+                  version=epserve.__version__)
     _install_error_handlers(app)
+    load = ServerLoad()  # /load: this replica's engine requests in flight
+    app.add_middleware(LoadTracker, load=load)  # inside the gate: a refused key is no load
     app.add_middleware(AuthMiddleware, gate=gate)  # outermost: before docs pages and 404s
 
     def _respond(result: Any) -> Response:
@@ -66,16 +71,14 @@ def make_fastapi_app(serving: OpenAIServing, gate: Gate) -> FastAPI:
 
     @app.get("/health")
     async def health() -> Response:
-        ok, reason = await serving.client.health()
-        if ok:
-            return Response(status_code=200)
-        return error_response(ApiError(503, f"unhealthy: {reason}", code="engine_unavailable"))
+        return await health_response(serving.client.health)
 
     @app.get("/metrics")
     async def metrics() -> Response:
         stats = await serving.client.stats()
         return Response(serving.metrics.render(stats), media_type=CONTENT_TYPE)
 
+    add_vllm_routes(app, serving, load)  # /version, /ping, /load, /tokenizer_info
     return app
 
 

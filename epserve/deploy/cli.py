@@ -1,7 +1,9 @@
 """The ``epserve`` command: ``generate`` streams one prompt's text; ``serve`` runs the server.
 
 Invariants: with no ``--model`` every command uses the built-in demo model (built locally on
-first use, nothing downloaded); bad input exits with status 2 and one clear line on stderr.
+first use, nothing downloaded); bad input exits with status 2 and one clear line on stderr,
+never a traceback: a usage error or an invalid option value (``--port 99999``) as argparse finds
+it, before anything loads, as much as a value the engine or the server refuses.
 """
 
 from __future__ import annotations
@@ -10,11 +12,33 @@ import argparse
 import sys
 from typing import Sequence
 
+import epserve
 from epserve.deploy.engine_flags import add_engine_flags, add_limit_flags, engine_options
 
 
+class _Parser(argparse.ArgumentParser):
+    """argparse with its errors as one line (the usage of ``serve`` alone is a screenful):
+    status 2 and ``epserve: error: ...`` on stderr, pointing at ``--help``."""
+
+    def error(self, message: str):  # type: ignore[override]
+        self.exit(2, f"epserve: error: {message} (see '{self.prog} --help')\n")
+
+
+def _port(value: str) -> int:
+    """A TCP port to listen on, 1-65535."""
+    try:
+        port = int(value)
+    except ValueError:
+        port = -1
+    if not 1 <= port <= 65535:
+        raise argparse.ArgumentTypeError(f"must be a port number from 1 to 65535, got {value!r}")
+    return port
+
+
 def _parser() -> argparse.ArgumentParser:
-    ap = argparse.ArgumentParser(prog="epserve", description=__doc__.splitlines()[0])
+    ap = _Parser(prog="epserve", description=__doc__.splitlines()[0])
+    ap.add_argument("-v", "--version", action="version", version=epserve.__version__,
+                    help="print the version (as vLLM's --version, the bare number) and exit")
     sub = ap.add_subparsers(dest="command", required=True)
     g = sub.add_parser("generate", help="stream the continuation of one prompt")
     g.add_argument("prompt")
@@ -33,10 +57,10 @@ def _parser() -> argparse.ArgumentParser:
     add_engine_flags(s)
     add_limit_flags(s)
     s.add_argument("--host", default="127.0.0.1")
-    s.add_argument("--port", type=int, default=8000)
+    s.add_argument("--port", type=_port, default=8000)
     s.add_argument("--api-key", default=None,
-                   help="require 'Authorization: Bearer KEY' on /v1/* (default: "
-                        "$EPSERVE_API_KEY; unset: no auth)")
+                   help="require 'Authorization: Bearer KEY' on every path but /health and "
+                        "/ping (default: $EPSERVE_API_KEY; unset: no auth)")
     s.add_argument("--served-model-name", default=None,
                    help="the model name clients send (default: --model, or epserve-demo)")
     s.add_argument("--max-body-bytes", type=int, default=1 << 20,

@@ -1,5 +1,5 @@
-"""The ingress's gate: the API key on every route but /health, and a JSON body's media type,
-size and read deadline.
+"""The ingress's gate: the API key on every route but the health probes, and a JSON body's
+media type, size and read deadline.
 
 Invariants: with a key configured, every path but ``OPEN_PATHS`` (the API, /metrics, the docs
 and /openapi.json, unknown paths alike) answers 401 in OpenAI's shape unless the request's
@@ -20,8 +20,9 @@ from fastapi.responses import JSONResponse
 
 from epserve.deploy.errors import ApiError, parse_json_object, read_body
 
-#: Paths answered without the key: load balancers probe /health with no credentials.
-OPEN_PATHS = frozenset({"/health"})
+#: Paths answered without the key: load balancers probe /health with no credentials, and
+#: SageMaker /ping (vLLM's /ping is /health under SageMaker's name; vLLM leaves both open).
+OPEN_PATHS = frozenset({"/health", "/ping"})
 JSON_MEDIA_TYPE = "application/json"
 
 
@@ -90,7 +91,7 @@ class AuthMiddleware:
         self.gate = gate
 
     async def __call__(self, scope: dict, receive: Any, send: Any) -> None:
-        if scope["type"] == "http" and self.gate.needs_key(_app_path(scope)):
+        if scope["type"] == "http" and self.gate.needs_key(app_path(scope)):
             authorization = next((v for k, v in scope["headers"] if k == b"authorization"),
                                  b"")
             if not self.gate.authorized(authorization):
@@ -98,7 +99,7 @@ class AuthMiddleware:
         await self.app(scope, receive, send)
 
 
-def _app_path(scope: dict) -> str:
+def app_path(scope: dict) -> str:
     """The path the app routes on (Serve may mount it under a route prefix)."""
     path, root = scope.get("path", ""), scope.get("root_path", "").rstrip("/")
     return path[len(root):] if root and path.startswith(root) else path
