@@ -17,6 +17,7 @@ abort of the same request reach the head in that order.
 from __future__ import annotations
 
 import asyncio
+import contextvars
 import logging
 import uuid
 from typing import Any, AsyncIterator, Callable, Sequence
@@ -139,7 +140,7 @@ class EngineClient:
 
     def _kick(self) -> None:
         if self._flusher is None or self._flusher.done():
-            self._flusher = asyncio.get_running_loop().create_task(self._flush())
+            self._flusher = _detached(self._flush())
 
     async def _flush(self) -> None:
         """Send what is queued: every submission of this loop turn in one call, then aborts."""
@@ -178,7 +179,7 @@ class EngineClient:
 
     def _ensure_poller(self) -> None:
         if self._poller is None or self._poller.done():
-            self._poller = asyncio.get_running_loop().create_task(self._poll())
+            self._poller = _detached(self._poll())
 
     async def _poll(self) -> None:
         """Fetch this replica's news while it has open requests."""
@@ -206,3 +207,10 @@ class EngineClient:
         for live in self._live.values():
             live.failure = failure
             live.changed.set()
+
+
+def _detached(coro: Any) -> asyncio.Task:
+    """A task of this replica, not of the request that happened to start it: created in a
+    fresh context, so Serve's cancellation of that request (its client left) does not cancel
+    the head calls it makes for every request (which failed the others' streams)."""
+    return asyncio.get_running_loop().create_task(coro, context=contextvars.Context())
