@@ -36,11 +36,16 @@ def config_from_args(args: argparse.Namespace) -> AppConfig:
     # an EPSERVE_API_KEY that is set but blank is refused here, not taken as "no auth"
     key = args.api_key if args.api_key is not None else os.environ.get(API_KEY_ENV)
     return AppConfig(engine=engine, api_key=key,
-                     max_body_bytes=getattr(args, "max_body_bytes", None)
-                     or DEFAULT_MAX_BODY_BYTES,
-                     body_read_timeout_s=getattr(args, "body_read_timeout", None)
-                     or DEFAULT_BODY_READ_TIMEOUT_S,
+                     max_body_bytes=_given(args, "max_body_bytes", DEFAULT_MAX_BODY_BYTES),
+                     body_read_timeout_s=_given(args, "body_read_timeout",
+                                                DEFAULT_BODY_READ_TIMEOUT_S),
                      num_replicas=getattr(args, "api_server_count", 1))
+
+
+def _given(args: argparse.Namespace, name: str, default: Any) -> Any:
+    """The flag's value when given (0 included: AppConfig refuses it), else ``default``."""
+    v = getattr(args, name, None)
+    return default if v is None else v
 
 
 def _check_port_free(host: str, port: int) -> None:
