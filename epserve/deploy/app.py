@@ -22,6 +22,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 import epserve
+from epserve.deploy.anthropic_api import add_anthropic_routes
 from epserve.deploy.config import AppConfig
 from epserve.deploy.errors import ApiError
 from epserve.deploy.gate import AuthMiddleware, Gate, error_response
@@ -79,6 +80,7 @@ def make_fastapi_app(serving: OpenAIServing, gate: Gate) -> FastAPI:
         return Response(serving.metrics.render(stats), media_type=CONTENT_TYPE)
 
     add_vllm_routes(app, serving, load)  # /version, /ping, /load, /tokenizer_info
+    add_anthropic_routes(app, serving, gate, _respond)  # /v1/messages, Anthropic's errors
     return app
 
 

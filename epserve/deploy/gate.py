@@ -3,11 +3,13 @@ media type, size and read deadline.
 
 Invariants: with a key configured, every path but ``OPEN_PATHS`` (the API, /metrics, the docs
 and /openapi.json, unknown paths alike) answers 401 in OpenAI's shape unless the request's
-``Authorization: Bearer <key>`` matches, compared in constant time on the header's raw bytes,
-before any route runs; without a key every path is open. A JSON route reads its body only when
-its Content-Type is application/json (415 otherwise, naming what was sent: a browser's CORS
-"simple request" cannot send that type without a preflight), at most ``max_body_bytes`` (413),
-and within ``body_read_timeout_s`` of the handler's start (408, and the connection is closed).
+``Authorization: Bearer <key>`` or ``x-api-key: <key>`` (Anthropic's header) matches, compared
+in constant time on the header's raw bytes, before any route runs; without a key every path
+is open (under /v1/messages a 401 is in Anthropic's shape: ``anthropic_api``). A JSON route
+reads its body only when its Content-Type is application/json (415 otherwise, naming what was
+sent: a browser's CORS "simple request" cannot send that type without a preflight), at most
+``max_body_bytes`` (413), and within ``body_read_timeout_s`` of the handler's start (408, and
+the connection is closed).
 """
 
 from __future__ import annotations
@@ -35,7 +37,8 @@ def error_response(exc: ApiError) -> JSONResponse:
 
 def unauthorized() -> ApiError:
     return ApiError(401, "Incorrect or missing API key. Send it as the header "
-                    "'Authorization: Bearer <key>'.", code="invalid_api_key")
+                    "'Authorization: Bearer <key>' or 'x-api-key: <key>'.",
+                    code="invalid_api_key")
 
 
 class Gate:
@@ -51,13 +54,14 @@ class Gate:
     def needs_key(self, path: str) -> bool:
         return self._key is not None and path not in OPEN_PATHS
 
-    def authorized(self, authorization: bytes) -> bool:
-        """Whether the raw ``Authorization`` header value carries the key."""
+    def authorized(self, authorization: bytes, x_api_key: bytes = b"") -> bool:
+        """Whether the raw ``Authorization`` or ``x-api-key`` header value carries the key."""
         scheme, _, token = authorization.partition(b" ")
         given = token.strip() if scheme.lower() == b"bearer" else b""
         # Constant time in the key's content: compare_digest on bytes, as sent (no decoding,
-        # so a non-ASCII key matches its UTF-8 bytes).
-        return hmac.compare_digest(given, self._key or b"")
+        # so a non-ASCII key matches its UTF-8 bytes); both compared whichever matches.
+        bearer = hmac.compare_digest(given, self._key or b"")
+        return bearer | hmac.compare_digest(x_api_key.strip(), self._key or b"")
 
     async def json(self, request: Any) -> dict[str, Any]:
         """The body of a JSON route, as a JSON object, within the limits."""
@@ -92,11 +96,15 @@ class AuthMiddleware:
 
     async def __call__(self, scope: dict, receive: Any, send: Any) -> None:
         if scope["type"] == "http" and self.gate.needs_key(app_path(scope)):
-            authorization = next((v for k, v in scope["headers"] if k == b"authorization"),
-                                 b"")
-            if not self.gate.authorized(authorization):
+            if not self.gate.authorized(_header(scope, b"authorization"),
+                                        _header(scope, b"x-api-key")):
                 return await error_response(unauthorized())(scope, receive, send)
         await self.app(scope, receive, send)
+
+
+def _header(scope: dict, name: bytes) -> bytes:
+    """The first value of header ``name`` (ASGI names are lower-case), or b""."""
+    return next((v for k, v in scope["headers"] if k == name), b"")
 
 
 def app_path(scope: dict) -> str:

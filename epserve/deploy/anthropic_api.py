@@ -1,0 +1,233 @@
+"""Anthropic's Messages API over the chat path: POST /v1/messages (whole or streamed) and
+/v1/messages/count_tokens, and every error under /v1/messages in Anthropic's shape.
+
+Invariants: a message request is parsed and checked here (``anthropic_models``), then served
+by ``OpenAIServing.chat`` as the chat body it translates to — the template, the checks, the
+engine and the metrics are the chat path's, and so are a stream's deltas — and its answer is
+reshaped: a body to Anthropic's ``message``; a stream to Anthropic's events (``message_start``,
+``content_block_start``, ``ping``, ``content_block_delta``..., ``content_block_stop``,
+``message_delta`` with the stop reason and the final usage, ``message_stop``), each with its
+``event:`` line, an error after the 200 as one ``error`` event that ends the stream. Closing
+the reshaped stream closes the chat stream (its engine request is aborted). Every error
+answered under /v1/messages — the gate's 401/413/415, a route's 400/404, an unknown sub-path,
+an unexpected exception — is ``{"type": "error", "error": {"type", "message"}}`` with the
+error type Anthropic gives that status, its message naming the field by Anthropic's name.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import logging
+from typing import Any, AsyncIterator, Callable
+
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, Response
+
+from epserve.deploy.anthropic_models import CountTokensRequest, MessagesRequest, parse
+from epserve.deploy.gate import Gate, app_path
+
+log = logging.getLogger(__name__)
+
+PREFIX = "/v1/messages"
+#: The chat body's field -> the Anthropic request field it came from.
+_ANTHROPIC_NAME = {"stop": "stop_sequences", "user": "metadata"}
+#: Anthropic's error type by HTTP status (any other 4xx is an invalid request, 5xx api_error).
+_ERROR_TYPES = {401: "authentication_error", 403: "permission_error", 404: "not_found_error",
+                408: "timeout_error", 413: "request_too_large", 429: "rate_limit_error",
+                503: "overloaded_error", 504: "timeout_error", 529: "overloaded_error"}
+#: In a stream no status travels: the chat path's error type -> Anthropic's.
+_STREAM_ERROR_TYPES = {"invalid_request_error": "invalid_request_error",
+                       "service_unavailable": "overloaded_error"}
+
+
+def is_messages_path(path: str) -> bool:
+    return path == PREFIX or path.startswith(PREFIX + "/")
+
+
+def error_type(status: int) -> str:
+    return _ERROR_TYPES.get(status, "api_error" if status >= 500 else "invalid_request_error")
+
+
+def error_body(kind: str, message: str) -> dict[str, Any]:
+    return {"type": "error", "error": {"type": kind, "message": message}}
+
+
+def _message(err: dict[str, Any]) -> str:
+    """An OpenAI-shaped error's message, its field in front when it does not name it."""
+    message, param = str(err.get("message") or "error"), err.get("param")
+    param = _ANTHROPIC_NAME.get(param, param)
+    return message if not param or message.startswith(param) else f"{param}: {message}"
+
+
+# ---------------------------------------------------------------------- bodies
+
+
+def _stop(finish_reason: str | None, stop_reason: Any) -> tuple[str, str | None]:
+    """Anthropic's (stop_reason, stop_sequence) for a chat choice's finish."""
+    if finish_reason == "length":
+        return "max_tokens", None
+    if isinstance(stop_reason, str):  # the stop string that ended it (vLLM's stop_reason)
+        return "stop_sequence", stop_reason
+    return "end_turn", None  # EOS or a stop token id
+
+
+def usage(chat_usage: dict[str, Any]) -> dict[str, Any]:
+    """Anthropic's usage: ``input_tokens`` are the prompt tokens computed for this request,
+    ``cache_read_input_tokens`` those whose KV the prefix cache held (their sum is the
+    prompt)."""
+    cached = (chat_usage.get("prompt_tokens_details") or {}).get("cached_tokens") or 0
+    return {"input_tokens": chat_usage["prompt_tokens"] - cached,
+            "output_tokens": chat_usage["completion_tokens"],
+            "cache_creation_input_tokens": 0, "cache_read_input_tokens": cached}
+
+
+def _shell(chat: dict[str, Any]) -> dict[str, Any]:
+    """The message's fields but content, stop and usage, from a chat body or chunk."""
+    return {"id": "msg_" + str(chat["id"]).split("-", 1)[-1], "type": "message",
+            "role": "assistant", "model": chat["model"]}
+
+
+def message_body(chat: dict[str, Any]) -> dict[str, Any]:
+    """A chat completion (n = 1) as Anthropic's message."""
+    choice = chat["choices"][0]
+    reason, sequence = _stop(choice["finish_reason"], choice.get("stop_reason"))
+    return {**_shell(chat),
+            "content": [{"type": "text", "text": choice["message"].get("content") or ""}],
+            "stop_reason": reason, "stop_sequence": sequence, "usage": usage(chat["usage"])}
+
+
+def event(obj: dict[str, Any]) -> str:
+    """One server-sent event as Anthropic sends it: its type as the event name."""
+    data = json.dumps(obj, ensure_ascii=False, separators=(",", ":"))
+    return f"event: {obj['type']}\ndata: {data}\n\n"
+
+
+async def message_events(chunks: AsyncIterator[str]) -> AsyncIterator[str]:
+    """The chat stream (``data:`` chunks with usage in each, then ``[DONE]``) as Anthropic's
+    events. One text block, index 0."""
+    started, last_usage, finish = False, None, (None, None)
+    async with contextlib.aclosing(chunks):  # type: ignore[type-var]
+        async for sse in chunks:
+            data = sse.removeprefix("data: ").strip()
+            if data == "[DONE]":
+                break
+            chunk = json.loads(data)
+            if "error" in chunk:
+                err = chunk["error"]
+                kind = _STREAM_ERROR_TYPES.get(err.get("type"), "api_error")
+                yield event(error_body(kind, _message(err)))
+                return
+            last_usage = chunk.get("usage") or last_usage
+            if not started:
+                started = True
+                yield event({"type": "message_start", "message": {
+                    **_shell(chunk), "content": [], "stop_reason": None,
+                    "stop_sequence": None, "usage": usage(last_usage)}})
+                yield event({"type": "content_block_start", "index": 0,
+                             "content_block": {"type": "text", "text": ""}})
+                yield event({"type": "ping"})
+            for choice in chunk["choices"]:
+                text = choice["delta"].get("content")
+                if text:
+                    yield event({"type": "content_block_delta", "index": 0,
+                                 "delta": {"type": "text_delta", "text": text}})
+                if choice.get("finish_reason"):
+                    finish = (choice["finish_reason"], choice.get("stop_reason"))
+    reason, sequence = _stop(*finish)
+    yield event({"type": "content_block_stop", "index": 0})
+    yield event({"type": "message_delta",
+                 "delta": {"stop_reason": reason, "stop_sequence": sequence},
+                 "usage": usage(last_usage)})
+    yield event({"type": "message_stop"})
+
+
+# ---------------------------------------------------------------------- routes
+
+
+class AnthropicMessages:
+    """The Messages API over an ``OpenAIServing``."""
+
+    def __init__(self, serving: Any):
+        self.serving = serving
+
+    async def create(self, body: dict[str, Any]) -> dict[str, Any] | AsyncIterator[str]:
+        req: MessagesRequest = parse(MessagesRequest, body)
+        result = await self.serving.chat(req.chat_body())  # its errors: AnthropicErrors
+        return message_body(result) if isinstance(result, dict) else message_events(result)
+
+    async def count_tokens(self, body: dict[str, Any]) -> dict[str, Any]:
+        req: CountTokensRequest = parse(CountTokensRequest, body)
+        tokens = await self.serving.tokenize(req.template_fields())
+        return {"input_tokens": tokens["count"]}
+
+
+def add_anthropic_routes(app: FastAPI, serving: Any, gate: Gate,
+                         respond: Callable[[Any], Response]) -> None:
+    """The routes, and the error reshaping around the whole app (call after the gate's
+    middleware is added, so this one is outside it)."""
+    messages = AnthropicMessages(serving)
+    app.add_middleware(AnthropicErrors)
+
+    @app.post(PREFIX)
+    async def create_message(request: Request) -> Response:
+        return respond(await messages.create(await gate.json(request)))
+
+    @app.post(PREFIX + "/count_tokens")
+    async def count_tokens(request: Request) -> Response:
+        return JSONResponse(await messages.count_tokens(await gate.json(request)))
+
+
+class AnthropicErrors:
+    """Pure ASGI, outermost: under /v1/messages an error answer (status >= 400, OpenAI's
+    JSON from whichever handler) is re-sent in Anthropic's shape, and an unexpected
+    exception before the answer started becomes Anthropic's 500; anything else passes
+    untouched."""
+
+    def __init__(self, app: Any):
+        self.app = app
+
+    async def __call__(self, scope: dict, receive: Any, send: Any) -> None:
+        if scope["type"] != "http" or not is_messages_path(app_path(scope)):
+            return await self.app(scope, receive, send)
+        held: dict[str, Any] = {}  # an error answer's start, and its body so far
+        started = False
+
+        async def reshape(message: dict[str, Any]) -> None:
+            nonlocal started
+            if message["type"] == "http.response.start":
+                started = True
+                if message["status"] >= 400:
+                    held.update(start=message, body=b"")
+                    return
+            elif "start" in held and message["type"] == "http.response.body":
+                held["body"] += message.get("body", b"")
+                if not message.get("more_body"):
+                    await _send_reshaped(held["start"], held["body"], send)
+                return
+            await send(message)
+
+        try:
+            await self.app(scope, receive, reshape)
+        except Exception:
+            if started:
+                raise
+            log.exception("unexpected error in a request")
+            await _send_reshaped({"type": "http.response.start", "status": 500},
+                                 b'{"error": {"message": "internal server error"}}', send)
+
+
+async def _send_reshaped(start: dict[str, Any], body: bytes, send: Any) -> None:
+    status = start["status"]
+    try:
+        err = json.loads(body)["error"]
+        message = _message(err if isinstance(err, dict) else {"message": str(err)})
+    except (ValueError, KeyError, TypeError):
+        message = body.decode("utf-8", "replace").strip() or f"HTTP {status}"
+    data = json.dumps(error_body(error_type(status), message), ensure_ascii=False).encode()
+    headers = [(k, v) for k, v in start.get("headers", [])
+               if k.lower() not in (b"content-length", b"content-type")]
+    headers += [(b"content-type", b"application/json"),
+                (b"content-length", str(len(data)).encode())]
+    await send({**start, "headers": headers})
+    await send({"type": "http.response.body", "body": data})
