@@ -11,7 +11,7 @@ import json
 import anthropic
 import pytest
 import requests
-from serverkit import API_KEY
+from serverkit import API_KEY, metric, scrape, wait_for
 
 HI = [{"role": "user", "content": "Hi"}]
 LONG = [{"role": "user", "content": "Tell me a long story about the experts of the mixture."}]
@@ -188,6 +188,20 @@ def test_every_sse_event_has_its_event_line(server):
         assert json.loads(data[len("data: "):])["type"] == names[-1]
     assert names[:3] == ["message_start", "content_block_start", "ping"], names
     assert names[-3:] == EVENT_ORDER[-3:], names
+
+
+def test_a_client_leaving_a_stream_aborts_its_request(server, claude):
+    first = _create(claude, server, messages=LONG, max_tokens=200, extra_body=GREEDY)
+    assert first.stop_reason == "max_tokens"  # so only an abort can end the next one early
+    aborted = metric(scrape(server), "vllm:request_success_total", finished_reason="abort")
+    body = {"model": server.model, "max_tokens": 3000, "messages": LONG, "stream": True,
+            "temperature": 0}
+    with requests.post(f"{server.base}/v1/messages", json=body, headers=server.auth,
+                       stream=True, timeout=60) as r:
+        assert next(r.iter_lines()) == b"event: message_start"
+    assert wait_for(lambda: metric(scrape(server), "vllm:request_success_total",
+                                   finished_reason="abort") == aborted + 1, timeout_s=20)
+    assert metric(scrape(server), "vllm:num_requests_running") == 0
 
 
 # ---------------------------------------------------------------- errors
