@@ -5,13 +5,15 @@ Invariants: a message request is parsed and checked here (``anthropic_models``),
 by ``OpenAIServing.chat`` as the chat body it translates to — the template, the checks, the
 engine and the metrics are the chat path's, and so are a stream's deltas — and its answer is
 reshaped: a body to Anthropic's ``message``; a stream to Anthropic's events (``message_start``,
-``content_block_start``, ``ping``, ``content_block_delta``..., ``content_block_stop``,
-``message_delta`` with the stop reason and the final usage, ``message_stop``), each with its
-``event:`` line, an error after the 200 as one ``error`` event that ends the stream. Closing
-the reshaped stream closes the chat stream (its engine request is aborted). Every error
-answered under /v1/messages — the gate's 401/413/415, a route's 400/404, an unknown sub-path,
-an unexpected exception — is ``{"type": "error", "error": {"type", "message"}}`` with the
-error type Anthropic gives that status, its message naming the field by Anthropic's name.
+``ping``, then per content block ``content_block_start``, ``content_block_delta``...,
+``content_block_stop``, then ``message_delta`` with the stop reason and the final usage,
+``message_stop``), each with its ``event:`` line, the same blocks as the whole answer's (the
+reasoning a ``--reasoning-parser`` splits off as a ``thinking`` block, then the text), an error
+after the 200 as one ``error`` event that ends the stream. Closing the reshaped stream closes
+the chat stream (its engine request is aborted). Every error answered under /v1/messages —
+the gate's 401/413/415, a route's 400/404, an unknown sub-path, an unexpected exception — is
+``{"type": "error", "error": {"type", "message"}}`` with the error type Anthropic gives that
+status, its message naming the field by Anthropic's name.
 """
 
 from __future__ import annotations
@@ -88,13 +90,29 @@ def _shell(chat: dict[str, Any]) -> dict[str, Any]:
             "role": "assistant", "model": chat["model"]}
 
 
+def _reasoning(message: dict[str, Any]) -> str:
+    """A chat message's or delta's reasoning (the server's ``--reasoning-parser`` splits it
+    off the content; vLLM names it twice)."""
+    return message.get("reasoning_content") or message.get("reasoning") or ""
+
+
+def _block(kind: str, text: str) -> dict[str, Any]:
+    """A content block: ``text``, or ``thinking`` (the model's reasoning; unsigned)."""
+    if kind == "thinking":
+        return {"type": "thinking", "thinking": text, "signature": ""}
+    return {"type": "text", "text": text}
+
+
 def message_body(chat: dict[str, Any]) -> dict[str, Any]:
-    """A chat completion (n = 1) as Anthropic's message."""
+    """A chat completion (n = 1) as Anthropic's message: its reasoning as a thinking block,
+    then its text (a text block always, unless there is reasoning and no text)."""
     choice = chat["choices"][0]
     reason, sequence = _stop(choice["finish_reason"], choice.get("stop_reason"))
-    return {**_shell(chat),
-            "content": [{"type": "text", "text": choice["message"].get("content") or ""}],
-            "stop_reason": reason, "stop_sequence": sequence, "usage": usage(chat["usage"])}
+    thought, text = _reasoning(choice["message"]), choice["message"].get("content") or ""
+    content = ([_block("thinking", thought)] if thought else []) + \
+        ([_block("text", text)] if text or not thought else [])
+    return {**_shell(chat), "content": content, "stop_reason": reason,
+            "stop_sequence": sequence, "usage": usage(chat["usage"])}
 
 
 def event(obj: dict[str, Any]) -> str:
@@ -103,10 +121,37 @@ def event(obj: dict[str, Any]) -> str:
     return f"event: {obj['type']}\ndata: {data}\n\n"
 
 
+class _Blocks:
+    """A streamed message's content blocks: a block opens when a delta of its kind arrives
+    after one of another kind (the previous one is closed), so their order and indices are the
+    whole message's."""
+
+    def __init__(self) -> None:
+        self.index, self.kind, self.opened = -1, None, False
+
+    def delta(self, kind: str, text: str) -> list[str]:
+        out = []
+        if kind != self.kind:
+            out = self.close()
+            self.index, self.kind, self.opened = self.index + 1, kind, True
+            out.append(event({"type": "content_block_start", "index": self.index,
+                              "content_block": _block(kind, "")}))
+        if text:
+            out.append(event({"type": "content_block_delta", "index": self.index,
+                              "delta": {"type": f"{kind}_delta", kind: text}}))
+        return out
+
+    def close(self) -> list[str]:
+        if self.kind is None:
+            return []
+        self.kind = None
+        return [event({"type": "content_block_stop", "index": self.index})]
+
+
 async def message_events(chunks: AsyncIterator[str]) -> AsyncIterator[str]:
     """The chat stream (``data:`` chunks with usage in each, then ``[DONE]``) as Anthropic's
-    events. One text block, index 0."""
-    started, last_usage, finish = False, None, (None, None)
+    events: the same content blocks as ``message_body`` of the whole answer."""
+    blocks, started, last_usage, finish = _Blocks(), False, None, (None, None)
     async with contextlib.aclosing(chunks):  # type: ignore[type-var]
         async for sse in chunks:
             data = sse.removeprefix("data: ").strip()
@@ -119,23 +164,25 @@ async def message_events(chunks: AsyncIterator[str]) -> AsyncIterator[str]:
                 yield event(error_body(kind, _message(err)))
                 return
             last_usage = chunk.get("usage") or last_usage
-            if not started:
+            if not started:  # the opening chunk
                 started = True
                 yield event({"type": "message_start", "message": {
                     **_shell(chunk), "content": [], "stop_reason": None,
                     "stop_sequence": None, "usage": usage(last_usage)}})
-                yield event({"type": "content_block_start", "index": 0,
-                             "content_block": {"type": "text", "text": ""}})
                 yield event({"type": "ping"})
             for choice in chunk["choices"]:
-                text = choice["delta"].get("content")
-                if text:
-                    yield event({"type": "content_block_delta", "index": 0,
-                                 "delta": {"type": "text_delta", "text": text}})
+                for kind, text in (("thinking", _reasoning(choice["delta"])),
+                                   ("text", choice["delta"].get("content"))):
+                    for e in blocks.delta(kind, text) if text else ():
+                        yield e
                 if choice.get("finish_reason"):
                     finish = (choice["finish_reason"], choice.get("stop_reason"))
+    if not blocks.opened:  # no text at all: one empty text block, as the whole message has
+        for e in blocks.delta("text", ""):
+            yield e
+    for e in blocks.close():
+        yield e
     reason, sequence = _stop(*finish)
-    yield event({"type": "content_block_stop", "index": 0})
     yield event({"type": "message_delta",
                  "delta": {"stop_reason": reason, "stop_sequence": sequence},
                  "usage": usage(last_usage)})
