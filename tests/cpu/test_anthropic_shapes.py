@@ -2,7 +2,9 @@
 streamed message's events add up to the same content blocks, stop reason and usage as the
 whole message built from the same text — reasoning (split off by a ``--reasoning-parser``) as
 a thinking block before the text — and an error after the 200 ends the stream as one
-``error`` event."""
+``error`` event. Every error answer under /v1/messages, whatever handler sent it in OpenAI's
+shape, goes out in Anthropic's, with the type Anthropic gives its status and the field by
+Anthropic's name; an unexpected exception is Anthropic's 500."""
 
 from __future__ import annotations
 
@@ -12,7 +14,7 @@ import json
 import pytest
 
 from epserve.deploy import responses as R
-from epserve.deploy.anthropic_api import message_body, message_events
+from epserve.deploy.anthropic_api import AnthropicErrors, message_body, message_events
 
 HEAD = {"id": "chatcmpl-abc", "object": "chat.completion.chunk", "created": 0, "model": "m"}
 USAGE = {"prompt_tokens": 9, "completion_tokens": 4, "total_tokens": 13,
@@ -116,3 +118,66 @@ def test_an_error_after_the_start_ends_the_stream_as_an_error_event():
     assert [e["type"] for e in events] == ["message_start", "ping", "content_block_start",
                                            "content_block_delta", "error"]
     assert events[-1]["error"] == {"type": "overloaded_error", "message": "engine died"}
+
+
+def _call(app, path: str) -> tuple[int, dict, bytes]:
+    """One HTTP request through the ASGI ``app``: status, headers, body."""
+    sent: list[dict] = []
+
+    async def receive():
+        return {"type": "http.request", "body": b"", "more_body": False}
+
+    async def send(message):
+        sent.append(message)
+
+    scope = {"type": "http", "method": "POST", "path": path, "root_path": "", "headers": []}
+    asyncio.run(app(scope, receive, send))
+    start, body = sent[0], b"".join(m.get("body", b"") for m in sent[1:])
+    return start["status"], dict(start["headers"]), body
+
+
+def _answer(status: int, body: bytes, chunked: bool = False):
+    async def app(scope, receive, send):
+        await send({"type": "http.response.start", "status": status,
+                    "headers": [(b"content-type", b"application/json"),
+                                (b"content-length", str(len(body)).encode()),
+                                (b"www-authenticate", b"Bearer")]})
+        parts = [body[:5], body[5:]] if chunked else [body]
+        for k, part in enumerate(parts):
+            await send({"type": "http.response.body", "body": part,
+                        "more_body": k < len(parts) - 1})
+    return app
+
+
+@pytest.mark.parametrize("status, kind", [(400, "invalid_request_error"),
+                                          (401, "authentication_error"),
+                                          (404, "not_found_error"), (405, "invalid_request_error"),
+                                          (413, "request_too_large"), (500, "api_error"),
+                                          (503, "overloaded_error")])
+def test_errors_under_v1_messages_are_reshaped(status, kind):
+    openai_error = json.dumps({"error": {"message": "holds 300 strings", "type": "x",
+                                         "param": "stop", "code": None}}).encode()
+    got, headers, body = _call(AnthropicErrors(_answer(status, openai_error, chunked=True)),
+                               "/v1/messages")
+    assert got == status and headers[b"www-authenticate"] == b"Bearer"
+    assert int(headers[b"content-length"]) == len(body)
+    assert json.loads(body) == {"type": "error", "error": {
+        "type": kind, "message": "stop_sequences: holds 300 strings"}}
+
+
+def test_successes_and_other_paths_pass_untouched():
+    ok = b'{"type": "message"}'
+    assert _call(AnthropicErrors(_answer(200, ok)), "/v1/messages")[2] == ok
+    err = b'{"error": {"message": "m"}}'
+    assert _call(AnthropicErrors(_answer(400, err)), "/v1/chat/completions")[2] == err
+    assert _call(AnthropicErrors(_answer(400, err)), "/v1/messagesx")[2] == err
+
+
+def test_an_unexpected_exception_is_anthropics_500():
+    async def broken(scope, receive, send):
+        raise RuntimeError("internal detail")
+
+    status, _, body = _call(AnthropicErrors(broken), "/v1/messages/count_tokens")
+    assert status == 500
+    assert json.loads(body) == {"type": "error", "error": {"type": "api_error",
+                                                          "message": "internal server error"}}
