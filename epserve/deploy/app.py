@@ -128,7 +128,8 @@ async def connect(config: AppConfig) -> tuple[OpenAIServing, Gate]:
                      vocab_size=int(facts["vocab_size"]),
                      limits=RequestLimits(**facts["limits"]))
     serving = OpenAIServing(client, tokenizer, info,
-                            ServerMetrics(info.name, facts["cache_config"]))
+                            ServerMetrics(info.name, facts["cache_config"]),
+                            config.chat_parsing())
     return serving, Gate(config.resolved_api_key(), config.max_body_bytes,
                          config.body_read_timeout_s)
 

@@ -14,6 +14,8 @@ from typing import Sequence
 
 import epserve
 from epserve.deploy.engine_flags import add_engine_flags, add_limit_flags, engine_options
+from epserve.deploy.reasoning_parser import REASONING_PARSERS
+from epserve.deploy.tool_parser import TOOL_PARSERS
 
 
 class _Parser(argparse.ArgumentParser):
@@ -70,6 +72,15 @@ def _parser() -> argparse.ArgumentParser:
                         "engine; as vLLM's option of the same name")
     s.add_argument("--body-read-timeout", type=float, default=None,
                    help="seconds a request body may take to arrive (then 408); default 30")
+    s.add_argument("--enable-auto-tool-choice", action="store_true",
+                   help="parse the model's tool calls when a chat request has tools and "
+                        "tool_choice auto (needs --tool-call-parser); as vLLM's flag")
+    s.add_argument("--tool-call-parser", default=None, choices=list(TOOL_PARSERS),
+                   help="the model's tool-call format: hermes (<tool_call>{...}</tool_call>: "
+                        "Qwen2.5, Qwen3, Hermes) (default: none)")
+    s.add_argument("--reasoning-parser", default=None, choices=list(REASONING_PARSERS),
+                   help="separate <think>...</think> into the chat message's "
+                        "reasoning_content: qwen3 or deepseek_r1 (default: none)")
     return ap
 
 

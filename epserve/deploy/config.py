@@ -17,6 +17,7 @@ from typing import Any, Mapping
 
 from epserve.cluster.bringup import HEAD_NAME
 from epserve.cluster.engine_args import EngineArgs
+from epserve.deploy.chat_output import ChatParsing
 
 #: The name the built-in demo model is served under when no --served-model-name is given.
 DEMO_SERVED_NAME = "epserve-demo"
@@ -38,8 +39,16 @@ class AppConfig:
     head_name: str = HEAD_NAME
     num_replicas: int = 1
     max_ongoing_requests: int = 1024
+    # the chat output's parsers, as vLLM's serve flags of the same names
+    enable_auto_tool_choice: bool = False
+    tool_call_parser: str | None = None
+    reasoning_parser: str | None = None
 
     def __post_init__(self) -> None:
+        if not isinstance(self.enable_auto_tool_choice, bool):
+            raise ValueError(f"enable_auto_tool_choice must be true or false, got "
+                             f"{self.enable_auto_tool_choice!r}")
+        self.chat_parsing()  # an unknown parser, or auto tool choice without one: refused
         for name in ("max_body_bytes", "num_replicas", "max_ongoing_requests"):
             v = getattr(self, name)
             if isinstance(v, bool) or not isinstance(v, int) or v < 1:
@@ -70,6 +79,11 @@ class AppConfig:
             return self.api_key
         env = os.environ.get(API_KEY_ENV)
         return None if env is None else _stripped_key(env, API_KEY_ENV)
+
+    def chat_parsing(self) -> ChatParsing:
+        """The tool-call and reasoning parsers of the chat output."""
+        return ChatParsing(self.enable_auto_tool_choice, self.tool_call_parser,
+                           self.reasoning_parser)
 
     def engine_args(self) -> EngineArgs:
         """The engine's args with the served name filled in (the head reports it)."""

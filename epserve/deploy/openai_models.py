@@ -11,7 +11,8 @@ reaches the client as the same 400 naming the field, so the edge keeps no copy o
 
 from __future__ import annotations
 
-from typing import Any, Union
+import json
+from typing import Any, Literal, Union
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
@@ -139,17 +140,44 @@ class ContentPart(BaseModel):
     text: str | None = None
 
 
+class FunctionCall(BaseModel):
+    model_config = _STRICT
+    name: str
+    arguments: str  # JSON text, as OpenAI sends it
+
+
+class ToolCall(BaseModel):
+    """An assistant message's earlier tool call, in the history."""
+
+    model_config = _STRICT
+    id: str
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
 class ChatMessage(BaseModel):
     """One message. ``role``: OpenAI's, or any other name the model's chat template knows (as
-    vLLM accepts custom roles); the template decides what it means."""
+    vLLM accepts custom roles); the template decides what it means. An assistant message may
+    carry its ``tool_calls`` and its reasoning, a tool message the ``tool_call_id`` it answers
+    (what the openai client sends back when a reply is appended to the history)."""
 
     model_config = _STRICT
     role: str = Field(..., pattern=r"^[A-Za-z][\w-]{0,63}$")
     content: Union[str, list[ContentPart], None] = None
     name: str | None = None
+    tool_calls: list[ToolCall] | None = Field(None, max_length=1024)
+    tool_call_id: str | None = None
+    reasoning_content: str | None = None
+    reasoning: str | None = None  # vLLM's newer name of reasoning_content
+    # a reply's other fields, sent back with it (``message.model_dump()``): when empty only
+    refusal: None = None
+    audio: None = None
+    function_call: None = None
+    annotations: list[None] | None = Field(None, max_length=0)
 
-    def to_template(self) -> dict[str, Any]:
-        """The message as a chat template reads it: text parts joined into one string."""
+    def to_template(self, where: str = "messages") -> dict[str, Any]:
+        """The message as a chat template reads it: text parts joined into one string, tool
+        call arguments as the JSON value (Qwen's and Llama's templates ``tojson`` them)."""
         content = self.content
         if isinstance(content, list):
             texts = []
@@ -162,7 +190,60 @@ class ChatMessage(BaseModel):
         msg: dict[str, Any] = {"role": self.role, "content": content or ""}
         if self.name is not None:
             msg["name"] = self.name
+        if self.tool_calls:
+            if self.role != "assistant":
+                raise bad_request(f"{where}.tool_calls: only assistant messages carry tool calls",
+                                  param="messages")
+            msg["tool_calls"] = [_call_to_template(c, f"{where}.tool_calls.{k}")
+                                 for k, c in enumerate(self.tool_calls)]
+        if self.tool_call_id is not None:
+            msg["tool_call_id"] = self.tool_call_id
+        thought = self.reasoning_content if self.reasoning_content is not None else self.reasoning
+        if thought is not None:
+            msg["reasoning_content"] = msg["reasoning"] = thought
         return msg
+
+
+def _call_to_template(call: ToolCall, where: str) -> dict[str, Any]:
+    try:
+        args = json.loads(call.function.arguments)
+    except ValueError:
+        raise bad_request(f"{where}.function.arguments: not valid JSON: "
+                          f"{call.function.arguments[:80]!r}", param="messages") from None
+    return {"id": call.id, "type": "function",
+            "function": {"name": call.function.name, "arguments": args}}
+
+
+class FunctionDef(BaseModel):
+    model_config = _STRICT
+    name: str = Field(..., pattern=r"^[A-Za-z0-9_.:-]{1,128}$")
+    description: str | None = None
+    parameters: dict[str, Any] | None = None
+    strict: bool | None = None
+
+
+class Tool(BaseModel):
+    model_config = _STRICT
+    type: Literal["function"]
+    function: FunctionDef
+
+    def to_template(self) -> dict[str, Any]:
+        """As the chat template reads it: OpenAI's shape, unset fields left out."""
+        return self.model_dump(exclude_none=True)
+
+
+class NamedFunction(BaseModel):
+    model_config = _STRICT
+    name: str
+
+
+class NamedToolChoice(BaseModel):
+    model_config = _STRICT
+    type: Literal["function"]
+    function: NamedFunction
+
+
+ToolChoice = Union[Literal["none", "auto", "required"], NamedToolChoice, None]
 
 
 class ResponseFormat(BaseModel):
@@ -179,18 +260,16 @@ class ChatCompletionRequest(_SamplingRequest):
     max_completion_tokens: int | None = Field(None, le=INT32)
     add_generation_prompt: bool = True
     continue_final_message: bool = False
-    tools: list[dict[str, Any]] | None = None
-    tool_choice: str | dict[str, Any] | None = None
+    tools: list[Tool] | None = Field(None, max_length=1024)
+    tool_choice: ToolChoice = None
+    parallel_tool_calls: bool | None = None
+    chat_template_kwargs: dict[str, Any] | None = None
     response_format: ResponseFormat | None = None
 
     def check(self) -> None:
         self.check_common()
         if not self.messages:
             raise bad_request("messages must not be empty", param="messages")
-        if self.tools:
-            raise bad_request("tools are not supported by this server", param="tools")
-        if self.tool_choice not in (None, "none", "auto"):
-            raise bad_request("tool_choice is not supported by this server", param="tool_choice")
         if self.response_format is not None and self.response_format.type != "text":
             raise bad_request("response_format other than text is not supported",
                               param="response_format")
@@ -216,6 +295,8 @@ class TokenizeRequest(BaseModel):
     add_generation_prompt: bool = True
     continue_final_message: bool = False
     return_token_strs: bool = False
+    tools: list[Tool] | None = Field(None, max_length=1024)
+    chat_template_kwargs: dict[str, Any] | None = None
 
 
 class DetokenizeRequest(BaseModel):
@@ -260,5 +341,5 @@ def sampling_kwargs(req: _SamplingRequest, *, max_tokens: int | None, logprobs: 
     return kw
 
 
-__all__ = ["ChatCompletionRequest", "ChatMessage", "CompletionRequest",
-           "DetokenizeRequest", "TokenizeRequest", "sampling_kwargs", "validate"]
+__all__ = ["ChatCompletionRequest", "ChatMessage", "CompletionRequest", "DetokenizeRequest",
+           "NamedToolChoice", "Tool", "TokenizeRequest", "sampling_kwargs", "validate"]

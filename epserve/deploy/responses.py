@@ -2,8 +2,8 @@
 
 Invariants: field names and nesting are OpenAI's (plus vLLM's ``stop_reason`` and
 ``prompt_logprobs``); every float is finite (a -inf logprob is written as -9999.0, as vLLM
-does), so every body is valid JSON; ``finish_reason`` is "stop" or "length" (None while
-running).
+does), so every body is valid JSON; ``finish_reason`` is "stop", "length" or "tool_calls"
+(None while running).
 """
 
 from __future__ import annotations
@@ -143,12 +143,11 @@ def completion_choice(index: int, text: str, logprobs: dict | None, finish_reaso
             "prompt_logprobs": prompt_logprobs}  # null when not asked for, as vLLM's
 
 
-def chat_choice(index: int, text: str, logprobs: dict | None, finish_reason: str | None,
-                stop_reason: int | str | None) -> dict[str, Any]:
-    return {"index": index,
-            "message": {"role": "assistant", "content": text, "refusal": None,
-                        "tool_calls": []},
-            "logprobs": logprobs, "finish_reason": finish_reason, "stop_reason": stop_reason}
+def chat_choice(index: int, message: dict[str, Any], logprobs: dict | None,
+                finish_reason: str | None, stop_reason: int | str | None) -> dict[str, Any]:
+    """``message``: role, content, refusal, tool_calls and the reasoning (``chat_output``)."""
+    return {"index": index, "message": message, "logprobs": logprobs,
+            "finish_reason": finish_reason, "stop_reason": stop_reason}
 
 
 def chat_delta(index: int, delta: dict[str, Any], logprobs: dict | None = None,

@@ -39,7 +39,10 @@ def config_from_args(args: argparse.Namespace) -> AppConfig:
                      max_body_bytes=_given(args, "max_body_bytes", DEFAULT_MAX_BODY_BYTES),
                      body_read_timeout_s=_given(args, "body_read_timeout",
                                                 DEFAULT_BODY_READ_TIMEOUT_S),
-                     num_replicas=getattr(args, "api_server_count", 1))
+                     num_replicas=getattr(args, "api_server_count", 1),
+                     enable_auto_tool_choice=getattr(args, "enable_auto_tool_choice", False),
+                     tool_call_parser=getattr(args, "tool_call_parser", None),
+                     reasoning_parser=getattr(args, "reasoning_parser", None))
 
 
 def _given(args: argparse.Namespace, name: str, default: Any) -> Any:

@@ -15,7 +15,11 @@ import time
 from dataclasses import dataclass
 from typing import Any, AsyncIterator, Callable, Sequence
 
+from epserve.deploy import chat_template
 from epserve.deploy import responses as R
+from epserve.deploy.chat_output import (
+    ChatParsing, ToolPlan, choice_parser, reply_starts_thinking, tool_plan,
+)
 from epserve.deploy.engine_client import EngineClient
 from epserve.deploy.errors import ApiError, bad_request
 from epserve.deploy.metrics import ServerMetrics
@@ -47,11 +51,12 @@ class ModelInfo:
 
 class OpenAIServing:
     def __init__(self, client: EngineClient, tokenizer: Any, info: ModelInfo,
-                 metrics: ServerMetrics):
+                 metrics: ServerMetrics, parsing: ChatParsing = ChatParsing()):
         self.client = client
         self.tokenizer = tokenizer
         self.info = info
         self.metrics = metrics
+        self.parsing = parsing  # the tool-call and reasoning parsers (serve flags)
 
     # ------------------------------------------------------------------ shared checks
 
@@ -111,20 +116,19 @@ class OpenAIServing:
         return p if len(p.ids) <= keep else Prompt(None, p.ids[-keep:])
 
     async def render_chat(self, req: ChatCompletionRequest | TokenizeRequest,
-                          continue_final: bool = False) -> Prompt:
-        """The chat template applied to the messages, and its token ids."""
+                          continue_final: bool = False,
+                          tools: list[dict[str, Any]] | None = None) -> Prompt:
+        """The chat template applied to the messages (and tools, and the request's
+        ``chat_template_kwargs``), and its token ids."""
         tok = self._need_tokenizer("chat", "messages")
         if not getattr(tok, "chat_template", None):
             raise bad_request("this model has no chat template; use /v1/completions",
                               param="messages")
-        msgs = [m.to_template() for m in req.messages or []]
-        try:
-            text = tok.apply_chat_template(msgs, tokenize=False,
-                                           add_generation_prompt=req.add_generation_prompt,
-                                           continue_final_message=continue_final)
-        except Exception as exc:  # jinja2 errors, a template's raise_exception(...)
-            raise bad_request(f"the chat template failed on these messages: {exc}",
-                              param="messages") from None
+        msgs = [m.to_template(f"messages.{i}") for i, m in enumerate(req.messages or [])]
+        text = chat_template.render(tok, msgs, tools=tools,
+                                    add_generation_prompt=req.add_generation_prompt,
+                                    continue_final=continue_final,
+                                    kwargs=req.chat_template_kwargs)
         return Prompt(text, await self._encode(text, add_special_tokens=False, param="messages"))
 
     # ------------------------------------------------------------------ completions
@@ -218,7 +222,8 @@ class OpenAIServing:
         return self._sse(fan, tracker, req, chunk, head, want_lp=req.logprobs is not None)
 
     async def _sse(self, fan: Fanout, tracker: DeltaTracker, req: Any,
-                   chunk: Callable[[int, RequestOutput, Delta], dict[str, Any]], head: R.Head,
+                   chunk: Callable[[int, RequestOutput, Delta], dict[str, Any] | None],
+                   head: R.Head,
                    want_lp: bool, opening: Sequence[dict[str, Any]] = ()) -> AsyncIterator[str]:
         """The SSE body: ``opening`` chunks, one chunk per delta, usage, ``[DONE]``."""
         try:
@@ -227,6 +232,8 @@ class OpenAIServing:
             async for i, out in fan.outputs():
                 for d in tracker.update(i, out, want_lp, req.return_token_ids):
                     c = chunk(i, out, d)
+                    if c is None:  # a parser holds the text back (a tag may be starting)
+                        continue
                     if req.continuous_usage:
                         c["usage"] = R.usage(sum(tracker.prompt_tokens),
                                              tracker.completion_tokens,
@@ -252,8 +259,10 @@ class OpenAIServing:
         req: ChatCompletionRequest = validate(ChatCompletionRequest, body)
         req.check()
         self.check_model(req.model)
-        prompt = self._truncate(await self.render_chat(req, req.continue_final_message),
-                                req.truncate_prompt_tokens)
+        plan = tool_plan(req, self.parsing)
+        prompt = await self.render_chat(req, req.continue_final_message, plan.render)
+        in_reasoning = reply_starts_thinking(self.parsing, prompt.text, req)
+        prompt = self._truncate(prompt, req.truncate_prompt_tokens)
         max_tokens = req.wanted_max_tokens()
         self._check_context(len(prompt.ids), max_tokens, "messages",
                             "max_completion_tokens" if req.max_completion_tokens is not None
@@ -261,21 +270,25 @@ class OpenAIServing:
         logprobs = (req.top_logprobs or 0) if req.logprobs else None
         kw = sampling_kwargs(req, max_tokens=max_tokens, logprobs=logprobs,
                              prompt_logprobs=req.prompt_logprobs, limits=self.info.limits)
+        if plan.parse:  # as vLLM's hermes parser: tool tags may be special tokens
+            kw["skip_special_tokens"] = False
         head = R.Head.new("chatcmpl", "chat.completion", self.info.name)
         fan = await open_streams(self.client, head.id, [prompt], kw, "messages", self.metrics,
                                 t0)
         echo = self._chat_echo(req)
         if req.stream:
-            return self._chat_stream(req, head, fan, echo, prompt.ids)
+            return self._chat_stream(req, head, fan, echo, prompt.ids, plan, in_reasoning)
         try:
             (out,) = await fan.final()
         finally:
             await fan.close()
-        choices = [_with_ids(R.chat_choice(c.index, echo + c.text,
-                                           self._chat_lps(req, c.token_ids, c.logprobs),
-                                           c.finish_reason, c.stop_reason),
-                             req, c.token_ids, prompt.ids, with_prompt=False)
-                   for c in out.outputs]
+        choices = []
+        for c in out.outputs:
+            p = choice_parser(self.parsing, plan, in_reasoning, whole=True)
+            choice = R.chat_choice(c.index, p.message(c.text, echo),
+                                   self._chat_lps(req, c.token_ids, c.logprobs),
+                                   p.finish_reason(c.finish_reason), c.stop_reason)
+            choices.append(_with_ids(choice, req, c.token_ids, prompt.ids, with_prompt=False))
         body = head.body(choices=choices, usage=R.usage(
             len(prompt.ids), sum(len(c.token_ids) for c in out.outputs), out.num_cached_tokens),
             system_fingerprint=None,
@@ -299,8 +312,9 @@ class OpenAIServing:
         return R.chat_logprobs(ids, lps or [], req.top_logprobs or 0,
                                bool(req.return_tokens_as_token_ids))
 
-    def _chat_stream(self, req: ChatCompletionRequest, head: R.Head, fan: Fanout,
-                     echo: str, prompt_ids: list[int]) -> AsyncIterator[str]:
+    def _chat_stream(self, req: ChatCompletionRequest, head: R.Head, fan: Fanout, echo: str,
+                     prompt_ids: list[int], plan: ToolPlan,
+                     in_reasoning: bool) -> AsyncIterator[str]:
         head = R.Head(head.id, "chat.completion.chunk", head.model, head.created)
         extra = {"usage": None} if req.include_usage else {}
         if req.continuous_usage:
@@ -311,12 +325,21 @@ class OpenAIServing:
                              **extra) for k in range(req.n)]
         extra = {"usage": None} if req.include_usage else {}
         tracker = DeltaTracker(1, req.n)
+        parsers = [choice_parser(self.parsing, plan, in_reasoning, whole=False)
+                   for _ in range(req.n)]
 
-        def chunk(i: int, out: RequestOutput, d: Delta) -> dict[str, Any]:
-            text = (echo + d.text) if d.first else d.text
-            delta = {"content": text} if (text or not d.finish_reason) else {}
+        def chunk(i: int, out: RequestOutput, d: Delta) -> dict[str, Any] | None:
+            p = parsers[d.index]
+            delta = p.step(d.text, finished=d.finish_reason is not None)
+            if d.first and echo:
+                delta["content"] = echo + delta.get("content", "")
+            if not delta and not d.finish_reason:
+                if not (req.logprobs or req.return_token_ids):
+                    return None  # held back: nothing decided yet
+                delta = {"content": ""}
             lps = self._chat_lps(req, d.token_ids, d.logprobs)
-            choice = R.chat_delta(d.index, delta, lps, d.finish_reason, d.stop_reason)
+            choice = R.chat_delta(d.index, delta, lps, p.finish_reason(d.finish_reason),
+                                  d.stop_reason)
             return head.body(choices=[_with_ids(choice, req, d.token_ids, prompt_ids, False)],
                              **extra)
 
@@ -341,7 +364,8 @@ class OpenAIServing:
             if req.continue_final_message and req.add_generation_prompt:
                 raise bad_request("continue_final_message and add_generation_prompt cannot "
                                   "both be true", param="continue_final_message")
-            ids = (await self.render_chat(req, req.continue_final_message)).ids
+            tools = [t.to_template() for t in req.tools or []] or None
+            ids = (await self.render_chat(req, req.continue_final_message, tools)).ids
         else:
             if req.continue_final_message:
                 raise bad_request("continue_final_message needs messages",

@@ -1,0 +1,180 @@
+"""A chat choice's text as vLLM's server returns it: reasoning (``--reasoning-parser``) and tool
+calls (``--enable-auto-tool-choice --tool-call-parser``) separated from the content, whole or
+as stream deltas; and what a request's ``tools`` / ``tool_choice`` ask of the server.
+
+Invariants: the reasoning is split off first, and tool calls are parsed in the content after
+it; a streamed choice's deltas add up to its whole message (the same reasoning, content, tool
+names and arguments); ``finish_reason`` is ``tool_calls`` once a choice made a call; reasoning
+goes out under both of vLLM's names, ``reasoning_content`` and ``reasoning``. ``tool_choice``
+``required`` or a named function need structured output, which this server does not have:
+they are refused with a 400, never served as ``auto``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from epserve.deploy.errors import bad_request
+from epserve.deploy.openai_models import ChatCompletionRequest
+from epserve.deploy.reasoning_parser import (
+    REASONING_PARSERS, ReasoningSplitter, starts_in_reasoning,
+)
+from epserve.deploy.tool_parser import TOOL_PARSERS, HermesToolStream, ToolOutput
+
+AUTO_NEEDS_FLAGS = ('"auto" tool choice requires --enable-auto-tool-choice and '
+                    '--tool-call-parser to be set')
+
+
+@dataclass(frozen=True)
+class ChatParsing:
+    """The server's parsers (its ``serve`` flags)."""
+
+    enable_auto_tool_choice: bool = False
+    tool_call_parser: str | None = None
+    reasoning_parser: str | None = None
+
+    def __post_init__(self) -> None:
+        if self.tool_call_parser is not None and self.tool_call_parser not in TOOL_PARSERS:
+            raise ValueError(f"tool_call_parser must be one of {list(TOOL_PARSERS)}, got "
+                             f"{self.tool_call_parser!r}")
+        if self.reasoning_parser is not None and self.reasoning_parser not in REASONING_PARSERS:
+            raise ValueError(f"reasoning_parser must be one of {list(REASONING_PARSERS)}, got "
+                             f"{self.reasoning_parser!r}")
+        if self.enable_auto_tool_choice and self.tool_call_parser is None:
+            raise ValueError("enable_auto_tool_choice (--enable-auto-tool-choice) needs "
+                             "tool_call_parser (--tool-call-parser) to be set")
+
+
+@dataclass(frozen=True)
+class ToolPlan:
+    """What a chat request's tool fields ask for: the tools to render (None: none), whether
+    the output is parsed for calls, and whether more than one call is kept."""
+
+    render: list[dict[str, Any]] | None
+    parse: bool
+    parallel: bool
+
+
+def tool_plan(req: ChatCompletionRequest, parsing: ChatParsing) -> ToolPlan:
+    """The request's tool fields checked against the server's flags, as vLLM checks them."""
+    choice = req.tool_choice
+    tools = [t.to_template() for t in req.tools or []] or None
+    for k, t in enumerate(req.tools or []):
+        if t.function.strict:
+            raise bad_request(f"tools.{k}.function.strict: strict schemas need structured "
+                              f"output, which this server does not support yet", param="tools")
+    if choice is None:  # vLLM's default: auto with tools, none without
+        choice = "auto" if req.tools else "none"
+    if choice != "none" and req.tools is None:
+        raise bad_request("When using `tool_choice`, `tools` must be set.", param="tool_choice")
+    if choice == "required" or not isinstance(choice, str):
+        what = "'required'" if choice == "required" else "a named function"
+        raise bad_request(f"tool_choice {what} is not supported yet: it needs structured "
+                          f"output to force the call, which this server does not have; use "
+                          f"'auto' or 'none'", param="tool_choice")
+    parse = choice == "auto" and bool(req.tools)
+    if parse and not (parsing.enable_auto_tool_choice and parsing.tool_call_parser):
+        raise bad_request(AUTO_NEEDS_FLAGS, param="tool_choice")
+    return ToolPlan(tools, parse, req.parallel_tool_calls is not False)
+
+
+@dataclass
+class Piece:
+    """What a choice's text gave so far: reasoning, content and tool-call deltas."""
+
+    reasoning: str = ""
+    content: str = ""
+    calls: list[dict[str, Any]] | None = None
+
+    def add(self, other: "Piece") -> "Piece":
+        calls = (self.calls or []) + (other.calls or [])
+        return Piece(self.reasoning + other.reasoning, self.content + other.content, calls)
+
+    def delta(self) -> dict[str, Any]:
+        """As a stream chunk's ``delta`` (empty when nothing was decided)."""
+        d: dict[str, Any] = {}
+        if self.reasoning:
+            d["reasoning_content"] = d["reasoning"] = self.reasoning
+        if self.content:
+            d["content"] = self.content
+        if self.calls:
+            d["tool_calls"] = self.calls
+        return d
+
+
+class ChoiceParser:
+    """One choice's parsers: its reasoning split (or None) and its tool-call stream (or
+    None)."""
+
+    def __init__(self, reasoning: ReasoningSplitter | None, tools: HermesToolStream | None):
+        self.reasoning, self.tools = reasoning, tools
+
+    @property
+    def made_calls(self) -> bool:
+        return bool(self.tools and self.tools.calls)
+
+    def feed(self, text: str) -> Piece:
+        return self._pass(*(self.reasoning.feed(text) if self.reasoning else ("", text)),
+                          end=False)
+
+    def finish(self) -> Piece:
+        return self._pass(*(self.reasoning.finish() if self.reasoning else ("", "")), end=True)
+
+    def _pass(self, reasoning: str, content: str, end: bool) -> Piece:
+        if self.tools is None:
+            return Piece(reasoning, content)
+        out: ToolOutput = self.tools.feed(content)
+        if end:
+            out.add(self.tools.finish())
+        return Piece(reasoning, out.content, out.deltas)
+
+    def step(self, text: str, finished: bool) -> dict[str, Any]:
+        """A stream chunk's ``delta`` for the choice's new ``text`` (and its end, when
+        ``finished``): empty while everything is held back."""
+        piece = self.feed(text)
+        return (piece.add(self.finish()) if finished else piece).delta()
+
+    def message(self, text: str, prefix: str = "") -> dict[str, Any]:
+        """A whole text as the choice's ``message`` (``prefix``: echoed before the content)."""
+        a, b = self.feed(text), self.finish()
+        content = prefix + a.content + b.content
+        calls = []
+        if self.tools is not None:
+            calls = [{"id": c.id, "type": "function",
+                      "function": {"name": c.name, "arguments": c.sent_args}}
+                     for c in self.tools.calls]
+        thought = (a.reasoning + b.reasoning) or None
+        parsed = self.reasoning is not None or self.tools is not None
+        return {"role": "assistant", "content": (content or None) if parsed else content,
+                "refusal": None, "tool_calls": calls, "reasoning_content": thought,
+                "reasoning": thought}
+
+    def finish_reason(self, reason: str | None) -> str | None:
+        """vLLM's: ``tool_calls`` once the choice made a call."""
+        return "tool_calls" if reason is not None and self.made_calls else reason
+
+
+def reply_starts_thinking(parsing: ChatParsing, prompt_text: str | None,
+                          req: ChatCompletionRequest) -> bool:
+    """Whether the reply to this rendered prompt starts inside the thinking block (its
+    template opened it, or the continued final assistant message did)."""
+    if not parsing.reasoning_parser:
+        return False
+    last = req.messages[-1]
+    final = last.to_template()["content"] if (req.continue_final_message and
+                                              last.role == "assistant") else None
+    return starts_in_reasoning(parsing.reasoning_parser, prompt_text, final)
+
+
+def choice_parser(parsing: ChatParsing, plan: ToolPlan, in_reasoning: bool,
+                  whole: bool) -> ChoiceParser:
+    """A fresh parser for one choice (``whole``: the text comes at once, so a tool-call block
+    counts only once it is known to be a call)."""
+    reasoning = ReasoningSplitter(in_reasoning) if parsing.reasoning_parser else None
+    tools = HermesToolStream(plan.parallel, eager=not whole) if plan.parse else None
+    return ChoiceParser(reasoning, tools)
+
+
+__all__ = ["AUTO_NEEDS_FLAGS", "ChatParsing", "ChoiceParser", "Piece", "ToolPlan",
+           "choice_parser", "reply_starts_thinking", "tool_plan"]
