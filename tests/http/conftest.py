@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 from serverkit import (API_KEY, APP_NAME, BODY_READ_TIMEOUT_S, HEADER_READ_TIMEOUT_S, HEAD_NAME,
-                       Server, free_port)
+                       Server, free_port, wait_for)
 
 
 _HERE = Path(__file__).parent
@@ -59,3 +59,41 @@ def client(server):
     import openai
 
     return openai.OpenAI(base_url=server.v1, api_key=server.api_key, max_retries=0, timeout=120)
+
+
+SCRIPTED_APP, SCRIPTED_HEAD, SCRIPTED_PREFIX = ("epserve-http-scripted", "epserve-head-scripted",
+                                                "/scripted")
+
+
+@pytest.fixture(scope="session")
+def scripted_server(server, demo_model_dir, tmp_path_factory) -> Server:
+    """A second app beside ``server``, under /scripted: the scripted model (scripted_model.py:
+    its greedy text is a script) served as ``epserve serve --enable-auto-tool-choice
+    --tool-call-parser hermes --reasoning-parser qwen3`` would."""
+    import requests
+    from ray import serve
+    from scripted_model import build
+
+    from epserve.cluster.bringup import stop_head
+    from epserve.deploy.app import build_app
+
+    ckpt = build(tmp_path_factory.mktemp("scripted") / "model", demo_model_dir)
+    app = build_app({"model": str(ckpt), "dtype": "float32", "seed": 0, "max_num_seqs": 8,
+                     "served_model_name": "scripted", "api_key": API_KEY,
+                     "head_name": SCRIPTED_HEAD, "enable_auto_tool_choice": True,
+                     "tool_call_parser": "hermes", "reasoning_parser": "qwen3"})
+    _CLEANUPS.append(lambda: stop_head(SCRIPTED_HEAD))
+    _CLEANUPS.append(lambda: serve.delete(SCRIPTED_APP))  # runs first: the app, then its head
+    serve.run(app, name=SCRIPTED_APP, route_prefix=SCRIPTED_PREFIX, blocking=False)
+    base = server.base + SCRIPTED_PREFIX
+    assert wait_for(lambda: requests.get(f"{base}/health", timeout=10).status_code == 200,
+                    timeout_s=240), "the scripted app never became healthy"
+    yield Server(base, "scripted", API_KEY)
+
+
+@pytest.fixture(scope="session")
+def scripted_client(scripted_server):
+    import openai
+
+    return openai.OpenAI(base_url=scripted_server.v1, api_key=scripted_server.api_key,
+                         max_retries=0, timeout=120)
