@@ -1,10 +1,14 @@
-"""Control-plane cost of one engine step on the CPU, the forward excluded.
+"""Control-plane cost of one engine step on the CPU, the forward excluded, through the one
+execution path every ep_size runs.
 
-Brings 256 sequences into decode on a tiny random model (real Runner, real Scheduler), then
-times, over many steps, what the head and the rank do around a forward: the scheduler's plan
-plus building the step's inputs (rows, token ids, positions, KV slots, block tables). The
-forward, sampling and output processing run untimed between measurements, so sequences grow
-and cross block boundaries as in real serving. Prints a table last.
+Brings 256 sequences into decode on a tiny random one-rank model (real StepModel, Scheduler,
+KV book), then times, over many steps, what the head and rank 0 do around a forward: the
+scheduler's plan, the step command (``StepModel.build_command``), and rank 0 admitting it
+(validate, apply, this rank's rows, the flattened inputs: token ids, positions, KV slots, block
+tables). With one rank the command is handed over as an object; what encoding it would cost
+under EP is timed separately and not part of the step. The forward, sampling and output
+processing run untimed, so sequences grow and cross block boundaries as in real serving.
+Prints a table last.
 
     python bench/control_plane.py [--seqs 256] [--steps 300]
 """
@@ -22,7 +26,9 @@ from pathlib import Path
 from epserve.head.engine import Engine, EngineConfig
 from epserve.head.sampling_params import SamplingParams
 from epserve.head.scheduler import SchedulerConfig
-from epserve.worker.runner import Runner, RunnerConfig
+from epserve.worker.runner_config import RunnerConfig
+from epserve.worker.step_command import encode
+from epserve.worker.step_model import StepModel
 
 
 class _NoText:
@@ -40,12 +46,39 @@ def _tiny_config(folder: Path) -> None:
         "norm_topk_prob": True, "tie_word_embeddings": False, "torch_dtype": "float32"}))
 
 
+class _TimedChannel:
+    """Rank 0's channel with its host half timed (and the frame's encoding, aside)."""
+
+    def __init__(self, rank0, record: dict[str, list[float]]):
+        self.rank0, self.record = rank0, record
+
+    def run(self, cmd):
+        t0 = time.perf_counter()
+        admitted = self.rank0.admit(cmd)
+        t1 = time.perf_counter()
+        encode(cmd)
+        t2 = time.perf_counter()
+        self.record["admit"].append(t1 - t0)
+        self.record["encode"].append(t2 - t1)
+        return [self.rank0.execute(cmd, *admitted)]
+
+
+def _timed(record: list[float], fn):
+    def wrapped(*args, **kwargs):
+        t = time.perf_counter()
+        out = fn(*args, **kwargs)
+        record.append(time.perf_counter() - t)
+        return out
+    return wrapped
+
+
 def run(num_seqs: int, steps: int, prompt_len: int) -> dict[str, float]:
     folder = Path(tempfile.mkdtemp())
     _tiny_config(folder)
-    runner = Runner(RunnerConfig(model=str(folder), device="cpu", load_format="dummy",
-                                 max_num_seqs=num_seqs, num_kv_blocks=num_seqs * 64))
-    engine = Engine(runner, _NoText(), EngineConfig(
+    model = StepModel.one_rank(RunnerConfig(model=str(folder), device="cpu",
+                                            load_format="dummy", max_num_seqs=num_seqs,
+                                            num_kv_blocks=num_seqs * 64))
+    engine = Engine(model, _NoText(), EngineConfig(
         max_model_len=4096, vocab_size=512,
         scheduler=SchedulerConfig(max_num_seqs=num_seqs, max_num_batched_tokens=8192)))
     params = SamplingParams(temperature=0.0, max_tokens=steps + 64, ignore_eos=True)
@@ -54,23 +87,18 @@ def run(num_seqs: int, steps: int, prompt_len: int) -> dict[str, float]:
     while any(not s.output_ids for s in engine.scheduler.waiting) or any(
             not s.output_ids for s in engine.scheduler.running):
         engine.step()
+    rec: dict[str, list[float]] = {"plan": [], "command": [], "admit": [], "encode": []}
     sched = engine.scheduler
-    plan_t, build_t = [], []
+    sched.schedule = _timed(rec["plan"], sched.schedule)  # instance attributes: timers only
+    model.build_command = _timed(rec["command"], model.build_command)
+    model.channel = _TimedChannel(model.rank0, rec)
     for _ in range(steps):
-        t0 = time.perf_counter()
-        plan = sched.schedule()
-        t1 = time.perf_counter()
-        inp = runner.prepare_step(plan.decode_tokens, [s.state for s in plan.decode],
-                                  plan.slices)
-        t2 = time.perf_counter()
-        assert len(plan.decode) == num_seqs and not plan.slices
-        engine._apply(plan, runner.execute_step(inp), {})
-        plan_t.append(t1 - t0)
-        build_t.append(t2 - t1)
-    total = [a + b for a, b in zip(plan_t, build_t)]
-    return {"plan_us": statistics.median(plan_t) * 1e6,
-            "build_us": statistics.median(build_t) * 1e6,
-            "step_us": statistics.median(total) * 1e6}
+        engine.advance()  # the serving loop's step (AsyncEngine): no output objects built
+        assert len(sched.running) == num_seqs
+    total = [a + b + c for a, b, c in zip(rec["plan"], rec["command"], rec["admit"])]
+    med = {k: statistics.median(v) * 1e6 for k, v in rec.items()}
+    med["step"] = statistics.median(total) * 1e6
+    return med
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -80,11 +108,13 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--prompt-len", type=int, default=32)
     args = ap.parse_args(argv)
     r = run(args.seqs, args.steps, args.prompt_len)
-    print(f"\n| running seqs | steps | plan (median us) | build inputs (median us) | "
-          f"plan + build (median us) |")
-    print("|---:|---:|---:|---:|---:|")
-    print(f"| {args.seqs} | {args.steps} | {r['plan_us']:.1f} | {r['build_us']:.1f} | "
-          f"{r['step_us']:.1f} |")
+    print("\n(median us per step; step = plan + command + admit; encode: what the frame would "
+          "cost under EP, not part of a one-rank step)")
+    print("| running seqs | steps | plan | command | admit (validate, apply, inputs) | "
+          "step | encode (EP only) |")
+    print("|---:|---:|---:|---:|---:|---:|---:|")
+    print(f"| {args.seqs} | {args.steps} | {r['plan']:.1f} | {r['command']:.1f} | "
+          f"{r['admit']:.1f} | {r['step']:.1f} | {r['encode']:.1f} |")
     return 0
 
 

@@ -96,13 +96,14 @@ def graph_replay_ms(llm: LLM, batch: int, iters: int = 50) -> float | None:
     which routes to no expert), freed afterwards."""
     from epserve.worker.cuda_graphs import graph_batch
 
-    runner = llm.runner
+    model = llm.model
+    runner = model.runner  # the device side: graphs, block size
     graphs = getattr(runner, "graphs", None)
     b = graph_batch(batch)
     if graphs is None or b not in graphs._graphs:
         return None
     graph, _ = graphs._graphs[b]
-    blocks = runner.pool.allocate(-(-b // runner.block_size))
+    blocks = model.pool.allocate(-(-b // runner.block_size))
     slots = [blocks[i // runner.block_size] * runner.block_size + i % runner.block_size
              for i in range(b)]
     graphs.slots[:b].copy_(torch.tensor(slots, dtype=torch.int64))
@@ -113,7 +114,7 @@ def graph_replay_ms(llm: LLM, batch: int, iters: int = 50) -> float | None:
         graph.replay()
     end.record()
     torch.cuda.synchronize()
-    runner.pool.free(blocks)
+    model.pool.free(blocks)
     return start.elapsed_time(end) / iters
 
 

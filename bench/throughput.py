@@ -185,7 +185,8 @@ def run_epserve(cfg: dict, work: dict, args, dtype: str) -> list[Result]:
               max_model_len=max_len, max_num_seqs=args.max_num_seqs,
               max_num_batched_tokens=args.max_num_batched_tokens,
               gpu_memory_utilization=args.gpu_memory_utilization, **extra)
-    runner = llm.runner
+    model = llm.model
+    runner = model.runner  # the device side: KV blocks, graphs
     graphs = getattr(runner, "graphs", None)
     print(f"[epserve] load {time.perf_counter() - t0:.1f} s, dtype={dtype}, "
           f"max_num_seqs={args.max_num_seqs}, max_num_batched_tokens="
@@ -203,7 +204,7 @@ def run_epserve(cfg: dict, work: dict, args, dtype: str) -> list[Result]:
 
     llm.engine.step = counted_step  # instance attribute: counts engine steps, nothing else
     forwards: list[tuple[int, int, float]] = []  # (decode rows, prefill tokens, seconds)
-    real_forward = runner.mixed_forward_batch
+    real_forward = model.mixed_forward_batch
 
     def timed_forward(decode_tokens, decode_seqs, slices):
         t = time.perf_counter()
@@ -212,7 +213,7 @@ def run_epserve(cfg: dict, work: dict, args, dtype: str) -> list[Result]:
                          time.perf_counter() - t))
         return out
 
-    runner.mixed_forward_batch = timed_forward  # instance attribute: times each forward
+    model.mixed_forward_batch = timed_forward  # instance attribute: times each forward
     results = []
     for name, (n, in_len, out_len) in work.items():
         warm = prompts(min(n, WARM_REQUESTS), in_len, cfg["vocab_size"], seed=1)

@@ -20,7 +20,8 @@ from epserve.head.engine import Engine, EngineConfig
 from epserve.head.limits import RequestLimits
 from epserve.head.scheduler import SchedulerConfig
 from epserve.models.config import CheckpointError, ModelConfig
-from epserve.worker.runner import Runner, RunnerConfig
+from epserve.worker.runner import RunnerConfig
+from epserve.worker.step_model import StepModel
 
 
 #: How the EP ranks' placement group may be laid out on the Ray cluster (Ray's strategies).
@@ -234,12 +235,12 @@ def eos_token_ids(path: str, config_eos: Sequence[int], tok: Any) -> frozenset[i
 
 def build_engine(args: EngineArgs, runner: Any = None) -> tuple[Engine, Any, Any]:
     """(engine, runner, tokenizer-or-None) for resolved ``args``; ``runner`` overrides the
-    default single-rank Runner (the EP leader passes its own)."""
+    default one-rank ``StepModel`` (the EP group passes its N-rank one)."""
     args = args.resolved()
     if runner is None:
         if args.ep_size != 1:
             raise ValueError(f"ep_size={args.ep_size} needs the EP cluster (cluster.bringup)")
-        runner = Runner(args.runner_config())
+        runner = StepModel.one_rank(args.runner_config())
     tok = load_tokenizer(args.model, args.tokenizer)
     mc = runner.model_config
     engine = Engine(runner, tok or NoTokenizer(), EngineConfig(

@@ -34,8 +34,8 @@ class EpGroup:
         from epserve.models.parallel import ParallelInfo
         from epserve.worker.ep_comm import EpComm
         from epserve.worker.ep_dist import free_port, join_ep_group
-        from epserve.worker.ep_leader import EpLeaderRunner
-        from epserve.worker.ep_rank import EpRank
+        from epserve.worker.rank_executor import RankExecutor
+        from epserve.worker.step_model import EpChannel, StepModel
         from epserve.worker.runner import Runner, resolve_device
 
         n = args.ep_size
@@ -58,8 +58,9 @@ class EpGroup:
         ray.get(refs, timeout=init_timeout_s)
         for w in self.workers:
             w.start.remote()
-        self.leader = EpLeaderRunner(EpRank(runner, comm, 0, n), comm, n,
-                                     keep_alive_s=args.ep_timeout_s / 4)
+        rank0 = RankExecutor(runner, comm, 0, n)
+        self.leader = StepModel(rank0, EpChannel(rank0, comm), n,
+                                keep_alive_s=args.ep_timeout_s / 4)
         self.world_size = n
 
     def alive(self, timeout_s: float = 2.0) -> str | None:

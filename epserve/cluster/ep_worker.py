@@ -26,7 +26,7 @@ class EpWorker:
         self.args = EngineArgs.from_dict(engine_args)
         self.rank = rank
         self.world_size = world_size
-        self.ep_rank = None
+        self.executor = None
         self._thread: threading.Thread | None = None
 
     def init(self, addr: str, port: int) -> dict[str, Any]:
@@ -35,7 +35,7 @@ class EpWorker:
         from epserve.models.parallel import ParallelInfo
         from epserve.worker.ep_comm import EpComm
         from epserve.worker.ep_dist import join_ep_group
-        from epserve.worker.ep_rank import EpRank
+        from epserve.worker.rank_executor import RankExecutor
         from epserve.worker.runner import Runner, resolve_device
 
         cfg = self.args.runner_config()
@@ -47,7 +47,7 @@ class EpWorker:
                                          self.args.ep_timeout_s)
         comm = EpComm(self.rank, self.world_size, mc.num_experts, group, cpu_group)
         runner = Runner(cfg, ParallelInfo(self.rank, self.world_size, comm))
-        self.ep_rank = EpRank(runner, comm, self.rank, self.world_size)
+        self.executor = RankExecutor(runner, comm, self.rank, self.world_size)
         return {"rank": self.rank, "num_blocks": runner.num_blocks, "pid": os.getpid()}
 
     def start(self) -> None:
@@ -57,7 +57,7 @@ class EpWorker:
 
     def _loop(self) -> None:
         try:
-            while self.ep_rank.worker_step():
+            while self.executor.ep_worker_step():
                 pass
             log.info("rank %d: shutdown command, leaving", self.rank)
         except Exception as exc:  # the channel or a collective broke: this rank is done
@@ -74,4 +74,4 @@ class EpWorker:
 
     def failures(self) -> list[dict[str, Any]]:
         """Every ``EpCommandFailed`` this rank logged: step id and reason."""
-        return [{"step_id": f.step_id, "reason": f.reason} for f in self.ep_rank.failures]
+        return [{"step_id": f.step_id, "reason": f.reason} for f in self.executor.failures]

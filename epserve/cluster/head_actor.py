@@ -1,4 +1,4 @@
-"""HeadActor: the Ray actor that owns the Engine and the rank-0 Runner (the EP leader).
+"""HeadActor: the Ray actor that owns the Engine and rank 0 (its ``StepModel``).
 
 Client-facing calls only (generate as a stream, abort, health, stats, info); the per-step
 command traffic to other ranks never goes through Ray calls. Invariants: arguments are plain

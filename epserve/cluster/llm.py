@@ -7,7 +7,7 @@ takes. Invariants: every option is checked before anything loads (``ValueError``
 checkpoint that cannot be served raises ``CheckpointError``); every request of a ``generate``
 call is validated before any of them is queued, so a bad one raises ``ValueError`` (naming the
 prompt and field) and leaves no trace (the engine's seed stream included); outputs come back
-in the order of the prompts; a request that needs a capability the runner lacks raises
+in the order of the prompts; a request that needs a capability the model lacks raises
 ``CapabilityAbsent``.
 """
 
@@ -82,9 +82,10 @@ class LLM:
         return self.backend.engine
 
     @property
-    def runner(self) -> Any:
-        """The in-process model runner (ep_size=1); None over EP."""
-        return self.backend.runner
+    def model(self) -> Any:
+        """The in-process ``Model`` (a one-rank ``StepModel``; its device side is
+        ``model.runner``); None over EP."""
+        return self.backend.model
 
     # ------------------------------------------------------------------ the engine's state
 
@@ -151,7 +152,7 @@ class LLM:
                  sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
                  use_tqdm: bool = False, lora_request: Any = None) -> list[RequestOutput]:
         """One ``RequestOutput`` per prompt, in order; raises ``ValueError`` before running
-        anything when a prompt or parameter is invalid. ``lora_request`` needs the runner's
+        anything when a prompt or parameter is invalid. ``lora_request`` needs the model's
         'adapters' capability (``CapabilityAbsent`` otherwise)."""
         if lora_request is not None:
             require_capability(self.backend, "adapters", "generate(lora_request=...)")
@@ -214,8 +215,8 @@ class LLM:
     # ------------------------------------------------------------------ capabilities
 
     def beam_search(self, prompts: PromptType | Sequence[PromptType], params: Any) -> list[list[int]]:
-        """Beam search (vLLM's ``LLM.beam_search``): needs the runner's 'beam' capability;
-        ``CapabilityAbsent`` (a ``NotImplementedError``) when it lacks it, as every runner of
+        """Beam search (vLLM's ``LLM.beam_search``): needs the model's 'beam' capability;
+        ``CapabilityAbsent`` (a ``NotImplementedError``) when it lacks it, as every model of
         this version does. ``params``: ``beam_width``, ``max_tokens``, ``length_penalty``."""
         require_capability(self.backend, "beam", "beam_search")
         if isinstance(prompts, (str, dict)):

@@ -34,13 +34,13 @@ class LlmBackend(Protocol):
 
     #: the HF tokenizer, or None when the checkpoint ships none
     tokenizer: Any
-    #: the in-process ``Engine`` and its runner, for tests and benchmarks that drive them
+    #: the in-process ``Engine`` and its ``Model``, for tests and benchmarks that drive them
     #: step by step; None where the engine runs in another process
     engine: Any
-    runner: Any
+    model: Any
 
     def capabilities(self) -> frozenset[str]:
-        """The runner's capabilities (what ``require_capability`` reads)."""
+        """The model's capabilities (what ``require_capability`` reads)."""
 
     def check_request(self, ids: list[int], params: SamplingParams) -> None:
         """``ValueError`` when the engine would refuse this request; queues nothing."""
@@ -55,7 +55,7 @@ class LlmBackend(Protocol):
         finished."""
 
     def beam_search(self, reqs: Sequence[BeamReq]) -> list[list[int]]:
-        """Beam search on a runner with the 'beam' capability."""
+        """Beam search on a model with the 'beam' capability."""
 
     def stats(self) -> dict[str, Any]:
         """Counters and gauges (running, waiting, KV usage, tokens, preemptions, finished)."""
@@ -68,13 +68,14 @@ class LlmBackend(Protocol):
 
 
 class LocalBackend:
-    """An ``Engine`` over one ``Runner`` in this process, stepped by the calling thread."""
+    """An ``Engine`` over a one-rank ``StepModel`` in this process, stepped by the calling
+    thread."""
 
     def __init__(self, args: EngineArgs):
-        self.engine, self.runner, self.tokenizer = build_engine(args)
+        self.engine, self.model, self.tokenizer = build_engine(args)
 
     def capabilities(self) -> frozenset[str]:
-        return self.runner.capabilities()
+        return self.model.capabilities()
 
     def check_request(self, ids: list[int], params: SamplingParams) -> None:
         self.engine.check_request(ids, params)
@@ -89,7 +90,7 @@ class LocalBackend:
         pass  # nothing outside this process to release
 
     def beam_search(self, reqs: Sequence[BeamReq]) -> list[list[int]]:
-        return self.runner.generate_beam_batch(reqs)
+        return self.model.generate_beam_batch(reqs)
 
     # ------------------------------------------------------------------ generate
 

@@ -34,9 +34,9 @@ def _plain(exc: BaseException) -> BaseException:
 class RemoteEngine:
     """Drives a HeadActor started for these resolved ``args`` (one per ``LLM``)."""
 
-    #: the engine and its runner run in the HeadActor and its EP ranks, not here
+    #: the engine and its model run in the HeadActor and its EP ranks, not here
     engine = None
-    runner = None
+    model = None
 
     def __init__(self, args: EngineArgs):
         import ray

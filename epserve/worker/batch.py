@@ -1,37 +1,48 @@
-"""One step's flattened inputs: token ids, positions, KV slots and paged-attention metadata.
+"""One rank's rows of a step and their flattened inputs: token ids, positions, KV slots and
+paged-attention metadata.
 
-Invariants: decode rows come first (one token each, at position ``seq_len``), then prefill
-chunks in the caller's order; every new token has a KV slot inside its sequence's block table
-(the scheduler reserved it) — a row without one is refused here, before any device work.
-Block tables are not rebuilt per step: ``BlockTables`` keeps one row per slot, grown in place.
+Invariants: decode rows come first (one token each, at its position), then prefill chunks in
+the command's order; every new token has a KV slot inside its slot's block table (the rank's
+validator, ``worker.ep_mirror``, refused any command without one, so nothing is re-checked
+here). Block tables are not rebuilt per step: ``BlockTables`` keeps one row per slot, written
+only from a command's block updates, and a step gathers its rows.
 """
 
 from __future__ import annotations
 
-import array
 from dataclasses import dataclass
 from typing import Sequence
 
+import numpy as np
 import torch
 
 from epserve.kernels.attention import AttentionMetadata
-from epserve.models.traits import SequenceState
+from epserve.models.traits import RowSampling
+from epserve.worker.step_command import PrefillRow
 
 
 @dataclass(frozen=True, slots=True)
-class StepRow:
-    """One prefill chunk: ``tokens`` fed at positions ``start..``.
+class RankRows:
+    """This rank's rows of one command, decode rows first, and how each sampled row is drawn.
 
-    ``sample``: the chunk is the prompt's last, so its last position is sampled.
-    ``prompt_targets``: for prompt logprobs, the next-token target of each position (``-1``
-    where a position has none); empty when not collecting.
+    ``decode_slots`` / ``decode_pos`` / ``decode_ids``: [D] int64, each decode row's slot,
+    position (the KV length before the step) and fed token; ``prefill``: the chunks;
+    ``sampling`` / ``output_index``: one per sampled row (every decode row, then each prefill
+    row with ``sample``); ``prompt_logprobs``: per prefill row, the top-k to score its prompt
+    positions with and each position's next-token target (-1: none), or None.
     """
 
-    seq: SequenceState
-    tokens: Sequence[int]
-    start: int
-    sample: bool
-    prompt_targets: Sequence[int] = ()
+    decode_slots: np.ndarray
+    decode_pos: np.ndarray
+    decode_ids: np.ndarray
+    prefill: Sequence[PrefillRow]
+    sampling: list[RowSampling]
+    output_index: list[int]
+    prompt_logprobs: Sequence[tuple[int, tuple[int, ...]] | None] = ()
+
+    @property
+    def num_decode(self) -> int:
+        return len(self.decode_slots)
 
 
 @dataclass(frozen=True, slots=True)
@@ -47,17 +58,8 @@ class StepInputs:
     positions: torch.Tensor
     meta: AttentionMetadata
     sample_index: torch.Tensor
-    decode_tokens: Sequence[int]
-    decode_seqs: Sequence[SequenceState]
-    prefill_rows: Sequence[StepRow]
+    rows: RankRows
     sampled_prefill: tuple[int, ...]
-
-
-def _i64(values: Sequence[int], device: torch.device) -> torch.Tensor:
-    """[N] int64 from host ints; array.array is ~4x faster than torch.tensor on a list."""
-    if not values:
-        return torch.empty(0, dtype=torch.int64, device=device)
-    return torch.frombuffer(array.array("q", values), dtype=torch.int64).to(device)
 
 
 class BlockTables:
@@ -66,6 +68,7 @@ class BlockTables:
 
     def __init__(self, max_slots: int, max_blocks_per_seq: int):
         self.table = torch.zeros((max_slots, max_blocks_per_seq), dtype=torch.int32)
+        self.np = self.table.numpy()  # the same memory, for numpy gathers
         self.max_blocks_per_seq = max_blocks_per_seq
 
     def set_blocks(self, slot: int, first: int, blocks: Sequence[int]) -> None:
@@ -73,84 +76,126 @@ class BlockTables:
         if first + len(blocks) > self.max_blocks_per_seq:
             raise ValueError(f"sequence needs {first + len(blocks)} KV blocks, more than "
                              f"max_model_len allows ({self.max_blocks_per_seq})")
-        if blocks:
-            self.table[slot, first:first + len(blocks)] = torch.tensor(blocks, dtype=torch.int32)
+        if len(blocks):
+            self.np[slot, first:first + len(blocks)] = blocks
+
+    def kv_slots(self, slots: np.ndarray, pos: np.ndarray, bs: int) -> np.ndarray:
+        """The KV cache slot of each (sequence slot, position) pair, int64."""
+        return self.np[slots, pos // bs].astype(np.int64) * bs + pos % bs
 
 
-def _decode_part(seqs: Sequence[SequenceState], bs: int) -> tuple[list[int], list[int]]:
-    """Positions and KV slots of the decode rows (one token each, at ``seq_len``); two list
-    comprehensions beat ~10 small torch ops on the host for a few hundred rows."""
-    pos = [s.seq_len for s in seqs]
-    try:
-        slots = [s.block_table[p // bs] * bs + p % bs for s, p in zip(seqs, pos)]
-    except IndexError:
-        bad = next(i for i, s in enumerate(seqs) if s.seq_len >= len(s.block_table) * bs)
-        raise ValueError(f"decode row {bad}: no KV block reserved for position "
-                         f"{seqs[bad].seq_len}") from None
-    return pos, slots
+def _align(n: int, k: int) -> int:
+    return -(-n // k) * k
 
 
-def build_step_inputs(decode_tokens: Sequence[int], decode_seqs: Sequence[SequenceState],
-                      prefill_rows: Sequence[StepRow], tables: BlockTables, block_size: int,
+def _host(n: int, dtype: type, pin: bool) -> tuple[torch.Tensor, np.ndarray]:
+    """A host buffer of ``n`` values as a tensor and a numpy view of the same memory (pinned
+    for a non-blocking copy to CUDA)."""
+    if pin:
+        t = torch.empty(n, dtype=torch.int64 if dtype is np.int64 else torch.int32,
+                        pin_memory=True)
+        return t, t.numpy()
+    a = np.empty(n, dtype=dtype)
+    return torch.from_numpy(a), a
+
+
+def build_step_inputs(rows: RankRows, tables: BlockTables, block_size: int,
                       device: torch.device) -> StepInputs:
     """Flatten decode rows then prefill chunks into one token batch."""
-    nd = len(decode_seqs)
+    if not rows.prefill:
+        return _decode_inputs(rows, tables, block_size, device)
     bs = block_size
-    cpu = torch.device("cpu")
-    slot_ids = [s.slot_idx for s in decode_seqs] + [row.seq.slot_idx for row in prefill_rows]
-    slot_t = _i64(slot_ids, cpu)
-    pos, slots = _decode_part(decode_seqs, bs)
-    ids = list(decode_tokens)
-    seq_lens = [p + 1 for p in pos]
+    nd = rows.num_decode
+    dpos = rows.decode_pos
+    ids, pos, kv = [rows.decode_ids], [dpos], [tables.kv_slots(rows.decode_slots, dpos, bs)]
+    seq_lens = [dpos + 1]
     qsl = list(range(nd + 1))
     sample_index = list(range(nd))
     sampled_prefill = []
-    for r, row in enumerate(prefill_rows):
+    slots = [rows.decode_slots]
+    for r, row in enumerate(rows.prefill):
         n, start = len(row.tokens), row.start
-        end = start + n
-        table = row.seq.block_table
-        if n == 0 or end > len(table) * bs:
-            raise ValueError(f"prefill row {r}: {n} tokens at {start} need KV blocks through "
-                             f"position {end - 1}, the block table covers {len(table) * bs}")
-        ids.extend(row.tokens)
-        pos.extend(range(start, end))
-        slots.extend(table[p // bs] * bs + p % bs for p in range(start, end))
+        p = np.arange(start, start + n, dtype=np.int64)
+        ids.append(np.asarray(row.tokens, dtype=np.int64))
+        pos.append(p)
+        kv.append(tables.kv_slots(np.full(n, row.slot), p, bs))
         qsl.append(qsl[-1] + n)
-        seq_lens.append(end)
+        seq_lens.append(np.array([start + n], dtype=np.int64))
+        slots.append(np.array([row.slot], dtype=np.int64))
         if row.sample:
             sample_index.append(qsl[-1] - 1)
             sampled_prefill.append(r)
-    width = -(-max(seq_lens) // bs)
+    lens = np.concatenate(seq_lens) if len(seq_lens) > 1 else seq_lens[0]
+    n, ns, nr = qsl[-1], len(lens), len(sample_index)
+    width = -(-int(lens.max()) // bs)
     # Two host buffers, one copy each (pinned + non-blocking on CUDA): int64 ids | positions |
     # slots | sample index, and int32 seq_lens | block tables. Every section starts 16-byte
     # aligned: Triton specializes kernels on pointer alignment, so a section whose alignment
     # changed with the row count would compile a new kernel variant in the middle of a run.
-    n, ns, nr = len(ids), len(seq_lens), len(sample_index)
-    n2, ns4 = n + n % 2, -(-ns // 4) * 4
-    pad64 = [0] * (n2 - n)
+    n2, ns4 = _align(n, 2), _align(ns, 4)
     pin = device.type == "cuda"
-    h64 = torch.frombuffer(array.array("q", ids + pad64 + pos + pad64 + slots + pad64
-                                       + sample_index), dtype=torch.int64)
-    h32 = torch.empty(ns4 + ns * width, dtype=torch.int32, pin_memory=pin)
-    h32[:ns] = torch.frombuffer(array.array("i", seq_lens), dtype=torch.int32)
-    torch.index_select(tables.table[:, :width], 0, slot_t, out=h32[ns4:].view(ns, width))
-    if pin:
-        h64 = h64.pin_memory()
-    d64 = h64.to(device, non_blocking=pin)
-    d32 = h32.to(device, non_blocking=pin)
+    h64, v64 = _host(3 * n2 + nr, np.int64, pin)  # a fresh buffer per step: a non-blocking
+    # copy of the last one may still be in flight
+    for k, parts in enumerate((ids, pos, kv)):
+        v64[k * n2:k * n2 + n] = np.concatenate(parts) if len(parts) > 1 else parts[0]
+    v64[3 * n2:] = sample_index
+    h32, v32 = _host(ns4 + ns * width, np.int32, pin)
+    v32[:ns] = lens
+    row_slots = np.concatenate(slots) if len(slots) > 1 else slots[0]
+    v32[ns4:].reshape(ns, width)[:] = tables.np[row_slots, :width]
+    return _finish(rows, h64, h32, n, ns, nr, width, tuple(qsl), lens, tuple(sampled_prefill),
+                   bs, device)
+
+
+def _decode_inputs(rows: RankRows, tables: BlockTables, bs: int,
+                   device: torch.device) -> StepInputs:
+    """A pure decode step's inputs: the same layout, written in place with as few array calls
+    as possible (at a few hundred rows a step's host time is per-call overhead)."""
+    nd = rows.num_decode
+    slots, pos = rows.decode_slots, rows.decode_pos
+    n2, ns4 = _align(nd, 2), _align(nd, 4)
+    lens = pos + 1
+    width = -(-int(lens.max()) // bs)
+    pin = device.type == "cuda"
+    h64, v64 = _host(3 * n2 + nd, np.int64, pin)
+    v64[:nd] = rows.decode_ids
+    v64[n2:n2 + nd] = pos
+    kv = v64[2 * n2:2 * n2 + nd]
+    np.multiply(tables.np[slots, pos // bs], bs, out=kv)
+    kv += pos % bs
+    v64[3 * n2:] = _ARANGE[:nd] if nd <= len(_ARANGE) else np.arange(nd)
+    h32, v32 = _host(ns4 + nd * width, np.int32, pin)
+    v32[:nd] = lens
+    v32[ns4:].reshape(nd, width)[:] = tables.np[slots, :width]
+    return _finish(rows, h64, h32, nd, nd, nd, width, tuple(range(nd + 1)), lens, (), bs,
+                   device)
+
+
+_ARANGE = np.arange(4096, dtype=np.int64)
+
+
+def _finish(rows: RankRows, h64: torch.Tensor, h32: torch.Tensor, n: int, ns: int, nr: int,
+            width: int, qsl: tuple[int, ...], lens: np.ndarray,
+            sampled_prefill: tuple[int, ...], bs: int, device: torch.device) -> StepInputs:
+    """Copy the two host buffers to ``device`` (nothing to copy on the CPU) and cut the
+    step's tensors out of them."""
+    n2, ns4 = _align(n, 2), _align(ns, 4)
+    pin = device.type == "cuda"
+    d64 = h64.to(device, non_blocking=True) if pin else h64
+    d32 = h32.to(device, non_blocking=True) if pin else h32
     meta = AttentionMetadata(
         slot_mapping=d64[2 * n2:2 * n2 + n],
-        query_start_loc=tuple(qsl),
-        seq_lens=tuple(seq_lens),
+        query_start_loc=qsl,
+        seq_lens=tuple(lens.tolist()),
         block_tables=d32[ns4:].view(ns, width),
         block_size=bs,
-        seq_lens_t=d32[:ns] if not prefill_rows else None,
+        seq_lens_t=d32[:ns] if not rows.prefill else None,
     )
     return StepInputs(
         input_ids=d64[:n],
         positions=d64[n2:n2 + n],
         meta=meta,
         sample_index=d64[3 * n2:3 * n2 + nr],
-        decode_tokens=decode_tokens, decode_seqs=decode_seqs, prefill_rows=prefill_rows,
-        sampled_prefill=tuple(sampled_prefill),
+        rows=rows,
+        sampled_prefill=sampled_prefill,
     )

@@ -108,10 +108,6 @@ class DecodeGraphs:
         log.info("captured %d decode CUDA graphs (rungs %s) in %.1f s", len(self._graphs),
                  self.rungs, self.capture_s)
 
-    def covers(self, inp: StepInputs) -> bool:
-        """A pure decode step whose padded size has a graph."""
-        return not inp.prefill_rows and self.covers_rows(len(inp.decode_seqs))
-
     def covers_rows(self, n: int) -> bool:
         """A decode step of ``n`` rows has a graph."""
         return 0 < n <= self.max_rows and graph_batch(n) in self._graphs
@@ -120,7 +116,7 @@ class DecodeGraphs:
         """Replay the step's rung on its inputs (``input_ids``: [n] int64 on the device instead
         of ``inp.input_ids``, e.g. the tokens just sampled). Returns hidden [n, H] (a view of
         the graph's output buffer: valid until the next replay)."""
-        n = len(inp.decode_seqs)
+        n = inp.rows.num_decode
         b = graph_batch(n)
         graph, out = self._graphs[b]
         meta = inp.meta

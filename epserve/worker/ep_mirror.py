@@ -19,7 +19,7 @@ import numpy as np
 from epserve.models.sampling_rules import MAX_LOGPROBS, row_sampling_problem
 from epserve.models.traits import EpCommandFailed, RowSampling
 from epserve.worker.step_command import (
-    FEED_DEVICE, KIND_SHUTDOWN, KIND_STEP, NewSeq, StepCommand,
+    FEED_DEVICE, KIND_DECODE_AHEAD, KIND_SHUTDOWN, KIND_STEP, NewSeq, StepCommand,
 )
 
 
@@ -37,8 +37,11 @@ class EpMirror:
     """All ranks' live sequences, keyed by ``(rank, slot)``."""
 
     def __init__(self, world_size: int, num_blocks: int, block_size: int, max_slots: int,
-                 max_blocks_per_seq: int, vocab_size: int):
+                 max_blocks_per_seq: int, vocab_size: int, lookahead: bool = False):
+        """``lookahead``: the rank can run ``KIND_DECODE_AHEAD`` steps (one rank, a runner
+        with the decode lookahead); elsewhere such a step is refused."""
         self.world_size = world_size
+        self.lookahead = lookahead
         self.num_blocks = num_blocks
         self.block_size = block_size
         self.max_slots = max_slots
@@ -62,9 +65,12 @@ class EpMirror:
         fail = _Failer(cmd.step_id)
         if cmd.step_id != expected:
             fail(f"step id {cmd.step_id}, expected {expected}")
-        if cmd.kind not in (KIND_STEP, KIND_SHUTDOWN):
+        if cmd.kind not in (KIND_STEP, KIND_SHUTDOWN, KIND_DECODE_AHEAD):
             fail(f"unknown command kind {cmd.kind}")
-        live = self.live.copy()
+        if cmd.kind == KIND_DECODE_AHEAD and not self.lookahead:
+            fail("a decode-ahead step, but this rank runs no decode lookahead")
+        # the arrays are copied only where the command changes them (validate changes nothing)
+        live = self.live.copy() if cmd.releases or cmd.new_seqs else self.live
         for r in cmd.releases:
             key = self._key(r.rank, r.slot, fail, "release")
             if not live[key]:
@@ -110,7 +116,7 @@ class EpMirror:
             fail(f"sampling of {key}: {found[0]} {found[1]}", key)
 
     def _check_blocks(self, cmd: StepCommand, live: np.ndarray, fail: "_Failer") -> np.ndarray:
-        counts = self.nblocks.copy()
+        counts = self.nblocks.copy() if cmd.new_seqs or cmd.block_updates else self.nblocks
         for n in cmd.new_seqs:
             counts[n.rank, n.slot] = 0
         for b in cmd.block_updates:
@@ -129,10 +135,12 @@ class EpMirror:
 
     def _check_rows(self, cmd: StepCommand, live: np.ndarray, blocks: np.ndarray,
                     fail: "_Failer") -> None:
-        lens = self.seq_len.copy()
+        lens = self.seq_len.copy() if cmd.new_seqs else self.seq_len
         for n in cmd.new_seqs:
             lens[n.rank, n.slot] = n.seq_len
         keys = self._check_decode(cmd, live, blocks, lens, fail)
+        if not cmd.prefill:
+            return
         seen = set(keys.tolist())
         bs, vocab = self.block_size, self.vocab_size
         for p in cmd.prefill:
@@ -150,34 +158,34 @@ class EpMirror:
             if any(not 0 <= t < vocab for t in p.tokens) or not -1 <= p.next_token < vocab:
                 fail(f"prefill row {key}: token outside the vocab", key)
 
-    def _check_decode(self, cmd: StepCommand, live: np.ndarray, blocks: np.ndarray, lens: np.ndarray,
-                      fail: "_Failer") -> np.ndarray:
-        """All decode rows at once; returns their flat slot keys."""
+    def _check_decode(self, cmd: StepCommand, live: np.ndarray, blocks: np.ndarray,
+                      lens: np.ndarray, fail: "_Failer") -> np.ndarray:
+        """All decode rows at once; returns their flat slot keys. Each check is one or two
+        whole-array calls (a step's host time is mostly per-call overhead); only a failing
+        check looks for the row to name."""
         rank, slot, feed, oidx = cmd.decode.cols
         if not len(rank):
             return rank
-        bad = (rank < 0) | (rank >= self.world_size) | (slot < 0) | (slot >= self.max_slots)
-        if bad.any():
+        if (int(rank.min()) < 0 or int(rank.max()) >= self.world_size or int(slot.min()) < 0
+                or int(slot.max()) >= self.max_slots):
+            bad = (rank < 0) | (rank >= self.world_size) | (slot < 0) | (slot >= self.max_slots)
             i = int(bad.argmax())
             fail(f"decode row {i}: rank {rank[i]} / slot {slot[i]} out of range")
-        keys = rank * self.max_slots + slot
-        dead = ~live.ravel()[keys]
-        if dead.any():
-            i = int(dead.argmax())
+        keys = rank * self.max_slots + slot if self.world_size > 1 else slot
+        alive = live.ravel()[keys]
+        if not alive.all():
+            i = int((~alive).argmax())
             fail(f"decode row {i}: unknown sequence ({rank[i]}, {slot[i]})",
                  _row_key(rank, slot, i))
-        seen = np.zeros(live.size, dtype=bool)
-        seen[keys] = True
-        if int(seen.sum()) != keys.size:
+        if int(np.bincount(keys).max()) > 1:
             fail("decode row: a sequence appears twice")
-        bad_feed = (feed != FEED_DEVICE) & ((feed < 0) | (feed >= self.vocab_size))
-        if bad_feed.any():
-            i = int(bad_feed.argmax())
+        if int(feed.min()) < FEED_DEVICE or int(feed.max()) >= self.vocab_size:
+            i = int(((feed < FEED_DEVICE) | (feed >= self.vocab_size)).argmax())
             fail(f"decode row {i}: token outside the vocab", _row_key(rank, slot, i))
         ln = lens.ravel()[keys]
-        nok = (ln >= blocks.ravel()[keys] * self.block_size) | (oidx < 0)
-        if nok.any():
-            i = int(nok.argmax())
+        nok = ln >= blocks.ravel()[keys] * self.block_size
+        if nok.any() or int(oidx.min()) < 0:
+            i = int((nok | (oidx < 0)).argmax())
             fail(f"decode row {i}: no KV block for position {ln[i]} of ({rank[i]}, {slot[i]})",
                  _row_key(rank, slot, i))
         return keys

@@ -11,21 +11,17 @@ Invariants: a sequence's blocks all come from its own rank's pool; ``reserve_blo
 allocates (reclaiming cached blocks is the caller's ``reclaim_prefix_blocks``); the placement
 of a prompt is a pure function of the pools and slots, and reclaiming for that prompt
 (``reclaim_prefix_blocks_for``, which keeps the prompt's own prefix) only adds free blocks to
-the rank it picked, so ``alloc_sequence_for`` after it picks the same rank; ``on_blocks`` (the
-one-rank runner's device block table) sees every block a sequence gains, in order.
+the rank it picked, so ``alloc_sequence_for`` after it picks the same rank. The ranks' block tables
+learn a sequence's blocks from the step command only (``worker.step_model``).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Callable, Sequence
+from typing import Sequence
 
 from epserve.models.traits import PrefixReclaim, SequenceState
 from epserve.worker.kv_pool import KVPool
-
-#: (sequence, index of its first new block, the new block ids)
-BlocksHook = Callable[[SequenceState, int, Sequence[int]], None]
-
 
 @dataclass(frozen=True)
 class Placement:
@@ -48,13 +44,12 @@ class KvBook:
 
     def __init__(self, world_size: int, num_blocks: int, block_size: int, max_num_seqs: int,
                  max_model_len: int, enable_prefix_caching: bool = True,
-                 placement: Placement = Placement(), on_blocks: BlocksHook | None = None):
+                 placement: Placement = Placement()):
         self.world_size = world_size
         self.block_size = block_size
         self.max_model_len = max_model_len
         self.max_num_seqs = max_num_seqs
         self.placement = placement
-        self.on_blocks = on_blocks
         self.pools = [KVPool(num_blocks, block_size, enable_prefix_caching)
                       for _ in range(world_size)]
         self.free_slots = [list(range(max_num_seqs - 1, -1, -1)) for _ in range(world_size)]
@@ -87,7 +82,7 @@ class KvBook:
         blocks = self.pools[seq.rank].match_prefix(prompt, seq.adapter_id,
                                                    max_tokens=len(prompt) - 1)
         n = len(blocks) * self.block_size
-        self._extend(seq, blocks)
+        seq.block_table.extend(blocks)
         seq.tokens.extend(prompt[:n])
         seq.seq_len = seq.kv_valid_tokens = n
         seq.cached_prefix_tokens = seq.reused_prefix_tokens = n
@@ -103,13 +98,9 @@ class KvBook:
         pool = self.pools[seq.rank]
         if need > pool.num_free_blocks():
             return False
-        self._extend(seq, pool.allocate(need))
+        seq.block_table.extend(pool.allocate(need))
         return True
 
-    def _extend(self, seq: SequenceState, blocks: list[int]) -> None:
-        if blocks and self.on_blocks is not None:
-            self.on_blocks(seq, len(seq.block_table), blocks)
-        seq.block_table.extend(blocks)
 
     def cache_sequence(self, seq: SequenceState) -> None:
         self.pools[seq.rank].cache_blocks(seq.tokens, seq.block_table, seq.seq_len,

@@ -10,25 +10,24 @@ hidden states to the next step only when the step is exactly it: the same sequen
 order, fed the tokens just sampled, each at the position and KV block the forward used. Any other
 step discards it and runs as usual; a miss costs one forward of GPU time, never a wrong token.
 
-Invariants: a lookahead forward writes KV only at each row's next position (``seq_len``), in a
-block its sequence holds (taken here when the position opens a block and the pool has one free,
-as the scheduler would before the next step). That position is beyond the sequence's valid KV,
-so if the head finishes, preempts or changes the sequence instead, what was written is never
-read (the prefix cache keeps full blocks below ``seq_len`` only), and one stream orders it
-before any later use of the block. A row whose next token is its last
-(``SequenceState.lookahead`` false, set by the head) turns the lookahead off for that step.
-Sampling never runs ahead: a step's tokens are drawn from its own logits when the head asks.
+Invariants: a lookahead forward writes KV only at each row's next position, in a block its
+slot already holds (the step model ships that block with a step it marks ``ahead``; without it
+nothing is queued). That position is beyond the sequence's valid KV, so if the head finishes,
+preempts or changes the sequence instead, what was written is never read (the prefix cache
+keeps full blocks below ``seq_len`` only), and one stream orders it before any later use of the
+block. Only a step marked ``ahead`` queues one: a step whose rows' next token is not known to
+be their last. Sampling never runs ahead: a step's tokens are drawn from its own logits.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Callable, Sequence
+from typing import Callable
 
+import numpy as np
 import torch
 
-from epserve.models.traits import SequenceState
-from epserve.worker.batch import BlockTables, build_step_inputs
+from epserve.worker.batch import BlockTables, RankRows, build_step_inputs
 from epserve.worker.cuda_graphs import DecodeGraphs
 from epserve.worker.sampler import PendingSample
 
@@ -37,78 +36,73 @@ Forward = Callable[..., torch.Tensor]
 
 @dataclass
 class _Ahead:
-    """One queued lookahead forward: which rows, where, and its output."""
+    """One queued lookahead forward: which slots, at which positions, in which KV blocks, and
+    its output."""
 
-    seqs: tuple[SequenceState, ...]
-    positions: list[int]
-    blocks: list[int]  # the KV block holding each row's position
+    slots: np.ndarray
+    positions: np.ndarray
+    blocks: np.ndarray
     hidden: torch.Tensor  # [n, H]
-    tokens: list[int] | None = None  # the ids it was fed, once the host has read them
+    tokens: np.ndarray | None = None  # the ids it was fed, once the host has read them
 
 
 class DecodeLookahead:
     """Queues and matches one lookahead decode forward for a runner (one rank).
 
-    ``graphs``: replay the decode graphs (None: run ``forward`` eagerly, the CPU test path);
-    ``reserve(seq, num_tokens) -> bool``: the runner's block reservation."""
+    ``graphs``: replay the decode graphs (None: run ``forward`` eagerly, the CPU test path)."""
 
     def __init__(self, forward: Forward, graphs: DecodeGraphs | None, tables: BlockTables,
-                 block_size: int, device: torch.device, max_model_len: int,
-                 reserve: Callable[[SequenceState, int], bool]):
+                 block_size: int, device: torch.device, max_model_len: int):
         self.forward, self.graphs, self.tables = forward, graphs, tables
         self.block_size, self.device, self.max_model_len = block_size, device, max_model_len
-        self.reserve = reserve
         self._ahead: _Ahead | None = None
         self.launched = self.hits = 0
 
-    def launch(self, seqs: Sequence[SequenceState], pending: PendingSample) -> bool:
-        """Queue the next decode forward of ``seqs`` fed ``pending.tokens`` (one per row), after
-        starting ``pending``'s read-back so the forward does not delay it. False when not
-        launched: a row without a next step, no graph for the rows, or no KV block free."""
+    def launch(self, rows: RankRows, nblocks: np.ndarray, pending: PendingSample) -> bool:
+        """Queue the next decode forward of ``rows``' slots fed ``pending.tokens`` (one per
+        row), after starting ``pending``'s read-back so the forward does not delay it.
+        ``nblocks``: each row's block count. False when not launched: prefill rows, no graph
+        for the rows, or a row without a block for its next position."""
         self._ahead = None
-        n = len(seqs)
-        if n == 0 or pending.tokens.shape[0] != n:
+        n = rows.num_decode
+        if n == 0 or rows.prefill or pending.tokens.shape[0] != n:
             return False
         if self.graphs is not None and not self.graphs.covers_rows(n):
             return False
-        if not all(s.lookahead and s.seq_len < self.max_model_len for s in seqs):
+        nxt = rows.decode_pos + 1
+        if int(nxt.max()) >= self.max_model_len or (nxt // self.block_size >= nblocks).any():
             return False
-        if not all(self.reserve(s, s.seq_len + 1) for s in seqs):
-            return False
-        try:
-            inp = build_step_inputs([0] * n, seqs, (), self.tables, self.block_size, self.device)
-        except ValueError:  # a row the head's next step could not run either: it will say so
-            return False
+        ahead = RankRows(rows.decode_slots, nxt, np.zeros(n, dtype=np.int64), (), [], [])
+        inp = build_step_inputs(ahead, self.tables, self.block_size, self.device)
         pending.copy_async()
         if self.graphs is not None:
             hidden = self.graphs.run(inp, input_ids=pending.tokens)
         else:
             hidden = self.forward(pending.tokens, inp.positions, inp.meta)
-        bs = self.block_size
-        self._ahead = _Ahead(tuple(seqs), [s.seq_len for s in seqs],
-                             [s.block_table[s.seq_len // bs] for s in seqs], hidden)
+        self._ahead = _Ahead(rows.decode_slots, nxt, self._blocks(rows.decode_slots, nxt), hidden)
         self.launched += 1
         return True
 
-    def fed(self, tokens: list[int]) -> None:
+    def _blocks(self, slots: np.ndarray, pos: np.ndarray) -> np.ndarray:
+        return self.tables.np[slots, pos // self.block_size].copy()
+
+    def fed(self, tokens: np.ndarray) -> None:
         """The ids the queued forward was fed, as the host read them back."""
         if self._ahead is not None:
             self._ahead.tokens = tokens
 
-    def take(self, decode_tokens: Sequence[int],
-             decode_seqs: Sequence[SequenceState]) -> torch.Tensor | None:
-        """The queued forward's hidden states [n, H] if this pure decode step is exactly the
-        one it computed, else None (and it is dropped either way)."""
+    def take(self, rows: RankRows) -> torch.Tensor | None:
+        """The queued forward's hidden states [n, H] if ``rows`` (a pure decode step) are
+        exactly the ones it computed, else None (and it is dropped either way)."""
         a, self._ahead = self._ahead, None
-        if a is None or a.tokens is None or len(decode_seqs) != len(a.seqs):
+        if a is None or a.tokens is None or rows.prefill \
+                or rows.num_decode != len(a.slots):
             return None
-        if list(decode_tokens) != a.tokens:
+        if not (np.array_equal(rows.decode_slots, a.slots)
+                and np.array_equal(rows.decode_pos, a.positions)
+                and np.array_equal(rows.decode_ids, a.tokens)
+                and np.array_equal(self._blocks(a.slots, a.positions), a.blocks)):
             return None
-        bs = self.block_size
-        for s, t, p, b in zip(decode_seqs, a.seqs, a.positions, a.blocks):
-            if s is not t or s.seq_len != p or len(s.block_table) <= p // bs \
-                    or s.block_table[p // bs] != b:
-                return None
         self.hits += 1
         return a.hidden
 

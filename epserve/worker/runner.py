@@ -1,32 +1,28 @@
-"""The rank Runner: implements the Model traits on torch for one rank (CPU, or CUDA by choice).
+"""The rank Runner: one rank's device side of a step, on torch (CPU, or CUDA by choice).
 
-Owns the model weights, the paged KV cache tensors and the device block tables; as the Model of
-one rank it also keeps its KV book (``worker.kv_book``: pool, slots, the lifecycle methods),
-whose new blocks it copies into the block tables. Invariants:
-a sequence's KV is written only through slots its block table holds; ``seq.seq_len`` counts
-positions whose KV is written and ``seq.tokens`` their ids; blocks are reserved by the
-scheduler (``reserve_blocks``) before a step, so a forward never allocates.
+Owns the model weights (this rank's expert shard), the paged KV cache tensors, the host block
+tables the rank's commands fill, the decode CUDA graphs and the decode lookahead. It is not a
+``Model``: ``worker.step_model.StepModel`` is, for every ``ep_size``, and each rank's
+``worker.rank_executor.RankExecutor`` hands this Runner its rows. Invariants: a row's KV is
+written only through slots its block table holds (the rank's validator refused any other
+command); a forward never allocates KV blocks.
 """
 
 from __future__ import annotations
 
 import logging
 import time
-from typing import Sequence
+from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from epserve.kernels.attention import AttentionMetadata
 from epserve.models.loader import load_model
 from epserve.models.parallel import ParallelInfo
-from epserve.models.traits import (
-    BeamReq, CapabilityAbsent, ForwardDisclosure, MixedBatchResult, PrefillSlice,
-    SampledToken, SequenceState,
-)
-from epserve.worker.batch import BlockTables, StepInputs, StepRow, build_step_inputs
+from epserve.models.traits import PromptTokenLogprob, SampledToken
+from epserve.worker.batch import BlockTables, RankRows, StepInputs, build_step_inputs
 from epserve.worker.cuda_graphs import DecodeGraphs
-from epserve.worker.forward_forms import ForwardForms
-from epserve.worker.kv_book import KvBook, KvLifecycle
 from epserve.worker.lookahead import DecodeLookahead
 from epserve.worker.runner_config import (  # noqa: F401 (re-exported)
     RunnerConfig, resolve_device, resolve_dtype,
@@ -36,8 +32,20 @@ from epserve.worker.warmup import warm_up_prefill
 
 log = logging.getLogger(__name__)
 
-class Runner(ForwardForms, KvLifecycle):
-    """Implements ``models.traits.Model`` for one rank (EP over ranks comes on top of it)."""
+
+@dataclass(frozen=True, slots=True)
+class RankOutput:
+    """One step's output on one rank: a token per sampled row (decode rows, then the sampled
+    prefill rows), each collecting prefill row's scored prompt positions by slot, and the
+    sampled rows' logits [R, V] float32 (on the device)."""
+
+    tokens: list[SampledToken]
+    prompt_logprobs: dict[int, list[PromptTokenLogprob]]
+    logits: torch.Tensor | None
+
+
+class Runner:
+    """One rank's weights, KV cache and device work."""
 
     def __init__(self, cfg: RunnerConfig, parallel: ParallelInfo = ParallelInfo()):
         from epserve.models.config import ModelConfig
@@ -65,13 +73,6 @@ class Runner(ForwardForms, KvLifecycle):
                            torch.zeros(shape, dtype=self.dtype, device=self.device))
                           for _ in range(mc.num_layers)]
         self.tables = BlockTables(cfg.max_num_seqs, -(-self.max_model_len // self.block_size))
-        # one rank is its own Model and keeps its KV book; an EP rank's is the leader's
-        self.book: KvBook | None = None
-        if parallel.world_size == 1:
-            self.book = KvBook(1, self.num_blocks, self.block_size, cfg.max_num_seqs,
-                               self.max_model_len, cfg.enable_prefix_caching,
-                               on_blocks=self._blocks_gained)
-            self.pool = self.book.pools[0]  # its one pool (read by tests and stats)
         if self.device.type == "cuda" and parallel.world_size == 1 and cfg.warmup_tokens > 0:
             t0 = time.perf_counter()
             warm_up_prefill(self._forward, self.model.compute_logits, cfg.warmup_tokens,
@@ -87,11 +88,8 @@ class Runner(ForwardForms, KvLifecycle):
         lookahead = cfg.decode_lookahead
         if lookahead or (lookahead is None and self.graphs is not None):
             self.lookahead = DecodeLookahead(self._forward, self.graphs, self.tables,
-                                             self.block_size, self.device, self.max_model_len,
-                                             lambda seq, n: self.reserve_blocks(seq, n))
-
-    def _blocks_gained(self, seq: SequenceState, first: int, blocks: Sequence[int]) -> None:
-        self.tables.set_blocks(seq.slot_idx, first, blocks)
+                                             self.block_size, self.device, self.max_model_len)
+        self._ready: torch.Tensor | None = None  # the lookahead's hidden states for this step
 
     def _forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
                  meta: AttentionMetadata) -> torch.Tensor:
@@ -117,15 +115,79 @@ class Runner(ForwardForms, KvLifecycle):
                      * torch.finfo(self.dtype).bits // 8)
         return max(2, budget // per_block)
 
-    # ------------------------------------------------------------------ capabilities
 
-    def capabilities(self) -> frozenset[str]:
-        return frozenset({"forward", "lifecycle", "logits", "streams", "circuit"})
+    # ------------------------------------------------------------------ one step
 
-    def forward_disclosure(self) -> ForwardDisclosure:
-        return ForwardDisclosure()
+    def prepare(self, rows: RankRows) -> StepInputs | None:
+        """The host side of a step: its flattened inputs, or None when the lookahead forward
+        queued during the last step is exactly this step's (its hidden states are kept)."""
+        if self.lookahead is not None:
+            self._ready = self.lookahead.take(rows)
+            if self._ready is not None:
+                return None
+        return build_step_inputs(rows, self.tables, self.block_size, self.device)
 
-    # ------------------------------------------------------------------ lifecycle
+    @torch.inference_mode()
+    def execute(self, rows: RankRows, inp: StepInputs | None, ahead: bool = False,
+                nblocks: np.ndarray | None = None) -> RankOutput:
+        """The device side: forward (or the lookahead's), prompt logprobs, sampling. ``ahead``
+        (a pure decode step whose rows' next step is likely; ``nblocks``: each decode row's
+        block count): queue that next step's forward before reading the tokens back."""
+        hidden, self._ready = self._ready, None
+        plps: dict[int, list[PromptTokenLogprob]] = {}
+        if hidden is None:
+            assert inp is not None
+            if self.graphs is not None and not rows.prefill and self.graphs.covers_rows(
+                    rows.num_decode):
+                hidden = self.graphs.run(inp)  # [n, H]
+            else:
+                hidden = self._forward(inp.input_ids, inp.positions, inp.meta)  # [T, H]
+            if rows.prefill:
+                plps = self._prompt_logprobs(rows, hidden, inp.meta.query_start_loc)
+                hidden = hidden[inp.sample_index]
+        if not rows.sampling:
+            return RankOutput([], plps, None)
+        logits = self.model.compute_logits(hidden)  # [R, V] float32
+        pending = launch_sample(logits, rows.sampling, rows.output_index)
+        launched = (ahead and self.lookahead is not None and nblocks is not None
+                    and self.lookahead.launch(rows, nblocks, pending))
+        tokens = pending.result()
+        if launched:
+            self.lookahead.fed(np.array([t.token_id for t in tokens], dtype=np.int64))
+        return RankOutput(tokens, plps, logits)
+
+    def _prompt_logprobs(self, rows: RankRows, hidden: torch.Tensor,
+                         qsl: tuple[int, ...]) -> dict[int, list[PromptTokenLogprob]]:
+        """Score each collecting prefill row's prompt positions; ``qsl``: row starts in hidden."""
+        out: dict[int, list[PromptTokenLogprob]] = {}
+        nd = rows.num_decode
+        for r, want in enumerate(rows.prompt_logprobs):
+            if want is None:
+                continue
+            k, targets = want
+            scored = [i for i, t in enumerate(targets) if t >= 0]
+            if not scored:
+                continue
+            h = hidden[qsl[nd + r]:qsl[nd + r + 1]][torch.tensor(scored)]
+            logits = self.model.compute_logits(h)  # [P, V] float32
+            out[rows.prefill[r].slot] = prompt_logprobs_rows(
+                logits, [targets[i] for i in scored], k)
+        return out
+
+    @torch.inference_mode()
+    def empty_forward(self) -> None:
+        """Zero rows: run the layers anyway, so an EP rank joins every MoE collective."""
+        empty = torch.empty(0, dtype=torch.int64, device=self.device)
+        meta = AttentionMetadata(slot_mapping=empty, query_start_loc=(0,), seq_lens=(),
+                                 block_tables=torch.zeros((0, 1), dtype=torch.int32,
+                                                          device=self.device),
+                                 block_size=self.block_size)
+        self.model(empty, empty, self.kv_caches, meta)
+
+    # ------------------------------------------------------------------ facts and lifecycle
+
+    def vocab_size(self) -> int:
+        return self.model_config.vocab_size
 
     def teardown(self) -> None:
         self.kv_caches = []
@@ -134,146 +196,6 @@ class Runner(ForwardForms, KvLifecycle):
         if self.device.type == "cuda":
             torch.cuda.set_device(self.device)
 
-    # ------------------------------------------------------------------ forward
-
-    def kv_block_size(self) -> int | None:
-        return self.block_size
-
-    def is_mla(self) -> bool:
-        return False
-
-    def hc_mult(self) -> int:
-        return 0
-
-    def supports_beam(self) -> bool:
-        return False
-
-    def generate_beam_batch(self, reqs: Sequence[BeamReq]) -> list[list[int]]:
-        raise CapabilityAbsent("beam search is not implemented by this runner")
-
-    def is_ep(self) -> bool:
-        return False
-
-    def ep_worker_step(self) -> bool:
-        raise CapabilityAbsent("ep_worker_step: this runner is a single rank (ep_size=1)")
-
-    def ep_keep_alive(self) -> None:
-        """One rank waits on no collective: nothing to keep alive."""
-
     def synchronize(self) -> None:
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
-
-    def mixed_forward_batch(self, decode_tokens: Sequence[int],
-                            decode_seqs: Sequence[SequenceState],
-                            prefill_slices: Sequence[PrefillSlice]) -> MixedBatchResult:
-        """One forward over every decode row and every prefill chunk; samples each decode row
-        and each last chunk with its sequence's ``RowSampling``."""
-        if self.lookahead is not None and not prefill_slices and decode_seqs \
-                and len(decode_tokens) == len(decode_seqs):
-            hidden = self.lookahead.take(decode_tokens, decode_seqs)
-            if hidden is not None:  # this step's forward ran ahead, during the host's work
-                return self._sample_step(decode_tokens, decode_seqs, (), (), hidden)
-        inp = self.prepare_step(decode_tokens, decode_seqs, prefill_slices)
-        if inp is None:
-            return MixedBatchResult(decode=(), prefill=())
-        return self.execute_step(inp)
-
-    def prepare_step(self, decode_tokens: Sequence[int], decode_seqs: Sequence[SequenceState],
-                     prefill_slices: Sequence[PrefillSlice]) -> StepInputs | None:
-        """The host side of a step: validate rows and build the flattened inputs."""
-        if len(decode_tokens) != len(decode_seqs):
-            raise ValueError(f"{len(decode_tokens)} decode tokens for {len(decode_seqs)} sequences")
-        rows = [self._prefill_row(sl) for sl in prefill_slices]
-        if not rows and not decode_seqs:
-            return None
-        return build_step_inputs(decode_tokens, decode_seqs, rows, self.tables,
-                                 self.block_size, self.device)
-
-    def _prefill_row(self, sl: PrefillSlice) -> StepRow:
-        seq = sl.seq
-        if sl.chunk_start != seq.seq_len:
-            raise ValueError(f"prefill chunk starts at {sl.chunk_start} but the sequence has "
-                             f"KV for {seq.seq_len} tokens")
-        end = sl.chunk_start + sl.chunk_len
-        if sl.chunk_len <= 0 or end > len(sl.prompt_tokens):
-            raise ValueError(f"prefill chunk [{sl.chunk_start}, {end}) outside a prompt of "
-                             f"{len(sl.prompt_tokens)} tokens")
-        if sl.is_last_chunk and end != len(sl.prompt_tokens):
-            raise ValueError("is_last_chunk set on a chunk that does not end the prompt")
-        targets: tuple[int, ...] = ()
-        if seq.collect_prompt_logprobs is not None:
-            plen = seq.prompt_len or len(sl.prompt_tokens)
-            targets = tuple(sl.prompt_tokens[i + 1] if i + 1 < plen else -1
-                            for i in range(sl.chunk_start, end))
-        return StepRow(seq, sl.prompt_tokens[sl.chunk_start:end], sl.chunk_start,
-                       sl.is_last_chunk, targets)
-
-    @torch.inference_mode()
-    def execute_step(self, inp: StepInputs) -> MixedBatchResult:
-        """The device side: forward, prompt logprobs, sampling; advances each row's KV."""
-        if self.lookahead is not None:
-            self.lookahead.discard()
-        if self.graphs is not None and self.graphs.covers(inp):
-            hidden = self.graphs.run(inp)  # [n, H]
-        else:
-            hidden = self._forward(inp.input_ids, inp.positions, inp.meta)  # [T, H]
-        nd = len(inp.decode_seqs)
-        self._collect_prompt_logprobs(inp.prefill_rows, hidden, inp.meta.query_start_loc[nd:])
-        if inp.prefill_rows:  # a pure decode step samples every row, in order
-            hidden = hidden[inp.sample_index]
-        return self._sample_step(inp.decode_tokens, inp.decode_seqs, inp.prefill_rows,
-                                 inp.sampled_prefill, hidden)
-
-    @torch.inference_mode()
-    def _sample_step(self, decode_tokens: Sequence[int], decode_seqs: Sequence[SequenceState],
-                     prefill_rows: Sequence[StepRow], sampled_prefill: Sequence[int],
-                     hidden: torch.Tensor) -> MixedBatchResult:
-        """Advance each row's KV bookkeeping past the step, then sample ``hidden`` [R, H] (one
-        row per sampled position: the decode rows, then the sampled prefill rows); queues the
-        lookahead forward of a pure decode step before reading the tokens back."""
-        for tok, seq in zip(decode_tokens, decode_seqs):
-            seq.tokens.append(tok)
-            seq.seq_len += 1
-            seq.kv_valid_tokens = seq.seq_len
-        for row in prefill_rows:
-            row.seq.tokens.extend(row.tokens)
-            row.seq.seq_len = row.seq.kv_valid_tokens = row.start + len(row.tokens)
-        nd = len(decode_seqs)
-        seqs = list(decode_seqs) + [prefill_rows[r].seq for r in sampled_prefill]
-        prefill: list[SampledToken | None] = [None] * len(prefill_rows)
-        if not seqs:
-            return MixedBatchResult(decode=(), prefill=tuple(prefill))
-        logits = self.model.compute_logits(hidden)  # [R, V] float32
-        pending = launch_sample(logits, [s.sampling for s in seqs],
-                                [s.output_index for s in seqs])
-        ahead = (self.lookahead is not None and not prefill_rows
-                 and self.lookahead.launch(decode_seqs, pending))
-        tokens = pending.result()
-        if ahead:
-            self.lookahead.fed([t.token_id for t in tokens])
-        for r, tok in zip(sampled_prefill, tokens[nd:]):
-            prefill[r] = tok
-        return MixedBatchResult(decode=tuple(tokens[:nd]), prefill=tuple(prefill),
-                                decode_logits=logits[:nd] if nd else None,
-                                prefill_logits=logits[nd:] if len(seqs) > nd else None)
-
-    def _collect_prompt_logprobs(self, rows: Sequence[StepRow], hidden: torch.Tensor,
-                                 qsl: Sequence[int]) -> None:
-        """Score each collecting row's prompt positions; ``qsl``: the rows' starts in hidden."""
-        for r, row in enumerate(rows):
-            if not row.prompt_targets:
-                continue
-            scored = [i for i, t in enumerate(row.prompt_targets) if t >= 0]
-            if not scored:
-                continue
-            h = hidden[qsl[r]:qsl[r + 1]][torch.tensor(scored)]
-            logits = self.model.compute_logits(h)  # [P, V] float32
-            targets = [row.prompt_targets[i] for i in scored]
-            row.seq.prompt_logprobs.extend(
-                prompt_logprobs_rows(logits, targets, row.seq.collect_prompt_logprobs or 0))
-
-    # ------------------------------------------------------------------ logits
-
-    def vocab_size(self) -> int:
-        return self.model_config.vocab_size

@@ -37,6 +37,9 @@ FEED_DEVICE = -1  # a decode row's token is the one its rank sampled for the slo
 
 KIND_STEP = 0
 KIND_SHUTDOWN = 1
+# a step whose decode rows' next step is likely and whose next KV blocks travel with it: the
+# rank may queue that next forward early (``worker.lookahead``; one rank only)
+KIND_DECODE_AHEAD = 2
 
 
 @dataclass(frozen=True, slots=True)

@@ -41,5 +41,5 @@ def _within(seconds: float, fn, *args, **kwargs):
 def _idle(llm: LLM) -> None:
     assert not llm.engine.has_unfinished()
     assert llm.engine.requests == {}
-    pool = llm.runner.pool
-    assert llm.runner.num_free_blocks() + pool.num_cached_free_blocks() == llm.runner.num_total_blocks()
+    pool = llm.model.pool
+    assert llm.model.num_free_blocks() + pool.num_cached_free_blocks() == llm.model.num_total_blocks()

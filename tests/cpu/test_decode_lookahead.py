@@ -43,7 +43,7 @@ def test_same_outputs_with_lookahead_greedy_and_seeded(tiny_ckpt):
               for i in range(6)]
     off, on, llm = _both(tiny_ckpt, prompts, params, block_size=4)
     assert on == off
-    la = llm.runner.lookahead
+    la = llm.model.lookahead
     assert la.hits > 20 and la.hits == la.launched  # a length stop is known one step ahead
 
 
@@ -54,7 +54,7 @@ def test_stop_tokens_and_eos_end_rows_the_lookahead_ran_ahead_of(qwen3_ckpt):
     assert on == off
     reasons = {r for _, r, _ in on}
     assert "stop" in reasons  # some rows did stop early, behind a lookahead forward
-    la = llm.runner.lookahead
+    la = llm.model.lookahead
     assert 0 < la.hits < la.launched
 
 
@@ -64,7 +64,7 @@ def test_preemption_under_a_small_kv_pool(qwen3_ckpt):
     off, on, llm = _both(qwen3_ckpt, prompts, params, block_size=4, num_kv_blocks=24)
     assert on == off
     assert llm.engine.scheduler.num_preemptions > 0
-    assert llm.runner.lookahead.hits > 0
+    assert llm.model.lookahead.hits > 0
 
 
 def _staggered(ckpt, lookahead: bool) -> dict[str, list[int]]:
@@ -99,7 +99,7 @@ def test_a_step_fed_another_token_recomputes(qwen3_ckpt):
     for lookahead in (False, True):
         llm = LLM(model=str(qwen3_ckpt), dtype="float32", device="cpu",
                   decode_lookahead=lookahead)
-        r = llm.runner
+        r = llm.model
         seq = r.alloc_sequence()
         prompt = [5, 17, 33, 41]
         assert r.reserve_blocks(seq, len(prompt) + 3)

@@ -71,11 +71,11 @@ def test_prefix_cache_hits_same_output(mixtral_ckpt):
     prompts = [shared + [rng.randrange(3, 300) for _ in range(n)] for n in (1, 4, 9)]
     llm = LLM(model=str(mixtral_ckpt), dtype="float32", block_size=4)
     llm.generate([{"prompt_token_ids": prompts[0]}], _greedy())
-    free_before = llm.runner.num_free_blocks()
+    free_before = llm.model.num_free_blocks()
     outs = llm.generate([{"prompt_token_ids": p} for p in prompts], _greedy())
     _check_against_hf(mixtral_ckpt, prompts, outs)
     assert all(o.num_cached_tokens >= 36 for o in outs), [o.num_cached_tokens for o in outs]
-    assert llm.runner.num_free_blocks() <= free_before  # blocks stay cached for reuse
+    assert llm.model.num_free_blocks() <= free_before  # blocks stay cached for reuse
 
 
 def test_small_kv_pool_preempts_and_resumes_identically(tiny_ckpt):
@@ -85,7 +85,7 @@ def test_small_kv_pool_preempts_and_resumes_identically(tiny_ckpt):
     outs = llm.generate([{"prompt_token_ids": p} for p in prompts], _greedy())
     assert llm.engine.scheduler.num_preemptions > 0
     _check_against_hf(tiny_ckpt, prompts, outs)
-    assert llm.runner.num_free_blocks() + llm.runner.pool.num_cached_free_blocks() == 24
+    assert llm.model.num_free_blocks() + llm.model.pool.num_cached_free_blocks() == 24
 
 
 def test_requests_arriving_mid_run(qwen3_ckpt):

@@ -67,13 +67,19 @@ def test_reclaim_for_a_prompt_frees_blocks_where_that_prompt_goes():
     assert book.alloc_sequence_for(16, prompt).rank == rank  # reclaiming kept the choice
 
 
-def test_the_block_hook_sees_every_block_in_order():
-    seen = []
-    book = KvBook(1, 8, BS, 2, 64, on_blocks=lambda s, first, b: seen.append((first, list(b))))
-    seq = book.alloc_sequence()
-    book.reserve_blocks(seq, 5)
-    book.reserve_blocks(seq, 9)
-    assert seen == [(0, seq.block_table[:2]), (2, seq.block_table[2:])]
+def test_the_rank_block_table_gets_every_block_in_order(qwen3_ckpt):
+    """Blocks reach the rank only through the step command: after each step the rank's table
+    row holds the sequence's blocks, in order, as the book gave them."""
+    from epserve import LLM
+
+    model = LLM(model=str(qwen3_ckpt), dtype="float32", block_size=4).model
+    seq = model.alloc_sequence()
+    prompt = list(range(3, 13))
+    for end, reserve in ((5, 5), (10, 11)):
+        assert model.reserve_blocks(seq, reserve)
+        model.prefill_chunk(prompt, seq, seq.seq_len, end - seq.seq_len, end == len(prompt))
+        n = len(seq.block_table)
+        assert model.runner.tables.np[seq.slot_idx, :n].tolist() == seq.block_table
 
 
 def test_the_slot_limit_and_model_len_are_refused_clearly():

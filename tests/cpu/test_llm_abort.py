@@ -19,7 +19,7 @@ def test_abort_mid_generation_frees_kv_and_spares_the_others(qwen3_ckpt):
     for _ in range(3):
         outs += eng.step()
     assert [o for o in outs if o.request_id == "victim"][-1].outputs[0].token_ids  # it ran
-    used = llm.runner.num_total_blocks() - llm.runner.num_free_blocks() - llm.runner.pool.num_cached_free_blocks()
+    used = llm.model.num_total_blocks() - llm.model.num_free_blocks() - llm.model.pool.num_cached_free_blocks()
     assert used > 0
     eng.abort_request("victim")
     eng.abort_request("victim")  # twice, or an unknown id: nothing happens

@@ -16,7 +16,7 @@ ATTRIBUTES = list(LlmBackend.__annotations__)
 def test_protocol_names_what_llm_calls():
     assert {"generate", "stream", "check_request", "capabilities", "beam_search", "stats",
             "health", "close"} == set(METHODS)
-    assert {"tokenizer", "engine", "runner"} == set(ATTRIBUTES)
+    assert {"tokenizer", "engine", "model"} == set(ATTRIBUTES)
 
 
 def test_both_backends_implement_every_method_with_its_signature():
@@ -30,7 +30,7 @@ def test_both_backends_implement_every_method_with_its_signature():
 def test_local_backend_behind_llm(qwen3_ckpt):
     llm = LLM(model=str(qwen3_ckpt), dtype="float32")
     assert isinstance(llm.backend, LocalBackend)
-    assert llm.engine is llm.backend.engine and llm.runner is llm.backend.runner
+    assert llm.engine is llm.backend.engine and llm.model is llm.backend.model
     assert llm.tokenizer is llm.backend.tokenizer
     assert llm.health() == {"healthy": True, "reason": None}
     assert llm.stats()["num_running"] == 0

@@ -14,7 +14,7 @@ from epserve.worker.warmup import warm_up_prefill
 def test_warm_up_writes_no_kv_and_changes_no_output(qwen3_ckpt):
     llm = LLM(model=str(qwen3_ckpt), dtype="float32", max_model_len=40,
               max_num_batched_tokens=96)
-    r = llm.runner
+    r = llm.model.runner
     assert r.cfg.warmup_tokens == 96  # the engine asks for one full step
     greedy = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
     before = llm.generate([{"prompt_token_ids": [5, 9, 11, 3]}], greedy)[0].outputs[0].token_ids

@@ -168,7 +168,7 @@ def test_round_trip_examples():
 
 
 def test_decoded_rows_serve_their_consumers():
-    """What ep_mirror, ep_rank, ep_leader and cluster.faults do with a command's rows works the
+    """What ep_mirror, rank_executor, step_model and cluster.faults do with a command's rows works the
     same on a decoded command as on the tuples the leader built."""
     s = RowSampling(0.5, 1.0, 0, 0.0, 3, (7, 8), None)
     built = StepCommand(step_id=3, new_seqs=(NewSeq(0, 1, 0, 4, 2, s),),
@@ -177,7 +177,7 @@ def test_decoded_rows_serve_their_consumers():
     cmd = P.decode(P.encode(built))
     assert cmd == built and built == cmd
     p, b, n = cmd.prefill[0], cmd.block_updates[0], cmd.new_seqs[-1]
-    assert list(p.tokens[1:]) + [p.next_token] == [11, 12, 13]  # ep_rank._targets
+    assert list(p.tokens[1:]) + [p.next_token] == [11, 12, 13]  # RankExecutor._prompt_logprobs
     assert len(p.tokens) == 3 and p.tokens[-1] == 12 and list(reversed(p.tokens)) == [12, 11, 10]
     assert all(type(t) is int for t in [*p.tokens, *b.blocks, *n.sampling.banned_token_ids])
     assert p.tokens == (10, 11, 12) and (10, 11, 12) == p.tokens and p.tokens != (10, 11)

@@ -126,7 +126,7 @@ def test_model_is_every_required_supertrait_and_the_optional_ones_are_protocols(
 def test_a_class_missing_one_trait_method_is_not_a_model(demo_model_dir):
     from epserve import LLM
 
-    runner = LLM(model=str(demo_model_dir), dtype="float32").runner
+    runner = LLM(model=str(demo_model_dir), dtype="float32").model
     assert isinstance(runner, T.Model)
     for name in SUPERTRAITS:
         assert isinstance(runner, getattr(T, name)), name

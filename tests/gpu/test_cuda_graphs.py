@@ -42,10 +42,10 @@ def test_graphs_match_eager(tiny_ckpt, dtype):
     common = dict(model=str(tiny_ckpt), dtype=dtype, device="cuda", num_kv_blocks=1024,
                   max_num_seqs=160)
     graphs = LLM(**common)
-    runner = graphs.runner
+    runner = graphs.model.runner
     assert runner.graphs is not None and runner.graphs.rungs[-2:] == [128, 160]
     eager = LLM(**common, enforce_eager=True)
-    assert eager.runner.graphs is None
+    assert eager.model.runner.graphs is None
     for n in (1, 3, 4, 5, 130):
         prompts, params = _prompts(n, seed=n), _params(n)
         assert _tokens(graphs, prompts, params) == _tokens(eager, prompts, params), n
@@ -61,23 +61,23 @@ def test_lookahead_matches_without_it_when_rows_stop_early(qwen3_ckpt):
     on = LLM(**common)
     off = LLM(**common, decode_lookahead=False)
     assert _tokens(on, prompts, params) == _tokens(off, prompts, params)
-    la = on.runner.lookahead
+    la = on.model.lookahead
     assert 0 < la.hits < la.launched
 
 
 def test_padded_rows_write_no_kv(qwen3_ckpt):
     llm = LLM(model=str(qwen3_ckpt), dtype="bfloat16", device="cuda", num_kv_blocks=512,
               enable_prefix_caching=False)
-    runner = llm.runner
+    book, runner = llm.model.book, llm.model.runner
     held: set[int] = set()
-    real_reserve = runner.reserve_blocks
+    real_reserve = book.reserve_blocks
 
     def spy(seq, num_tokens):  # record every block a sequence is ever given
         ok = real_reserve(seq, num_tokens)
         held.update(seq.block_table)
         return ok
 
-    runner.reserve_blocks = spy
+    book.reserve_blocks = spy
     llm.generate(_prompts(3), SamplingParams(temperature=0.0, max_tokens=20, ignore_eos=True))
     assert held
     never = torch.tensor(sorted(set(range(runner.num_blocks)) - held), device="cuda")

@@ -1,4 +1,4 @@
-"""The EP leader is a whole ``Model``, as the one-rank runner is: every trait method is there
+"""One ``StepModel`` is the whole ``Model`` at every ep_size: every trait method is there
 (``isinstance(m, Model)`` at ep_size 1, 2 and 3), and the seed's forward forms run the same
 step as ``mixed_forward_batch``: a prefill then decodes over N ranks give the one-rank tokens."""
 
@@ -33,29 +33,30 @@ def _greedy_run(model) -> list[int]:
     return got
 
 
-def test_one_rank_runner_is_a_model(ckpt6):
-    from epserve.worker.runner import Runner
+def test_the_one_rank_model_is_a_model(ckpt6):
+    from epserve.worker.step_model import StepModel
 
-    runner = Runner(EngineArgs(model=str(ckpt6), dtype="float32").resolved().runner_config())
-    assert isinstance(runner, Model)
-    assert len(_greedy_run(runner)) == 5
+    model = StepModel.one_rank(EngineArgs(model=str(ckpt6), dtype="float32").resolved()
+                               .runner_config())
+    assert isinstance(model, Model)
+    assert len(_greedy_run(model)) == 5
 
 
 @pytest.mark.parametrize("ep_size", [2, 3])
-def test_the_ep_leader_is_a_model_and_its_forms_match_one_rank(ray_cluster, ckpt6, ep_size):
+def test_the_ep_model_is_a_model_and_its_forms_match_one_rank(ray_cluster, ckpt6, ep_size):
     from ray.util.placement_group import placement_group, remove_placement_group
 
     from epserve.cluster.ep_group import EpGroup, bundle
-    from epserve.worker.runner import Runner
+    from epserve.worker.step_model import StepModel
 
     args = EngineArgs(model=str(ckpt6), dtype="float32", ep_size=ep_size).resolved()
-    want = _greedy_run(Runner(EngineArgs(model=str(ckpt6), dtype="float32").resolved()
-                              .runner_config()))
+    want = _greedy_run(StepModel.one_rank(EngineArgs(model=str(ckpt6), dtype="float32")
+                                          .resolved().runner_config()))
     pg = placement_group([bundle("cpu")] * ep_size, strategy="STRICT_PACK")
     ray_cluster.get(pg.ready(), timeout=60)
     group = EpGroup(args, pg)
     try:
-        assert isinstance(group.leader, Model)
+        assert isinstance(group.leader, Model) and type(group.leader) is StepModel
         assert _greedy_run(group.leader) == want
     finally:
         group.shutdown(graceful=True)

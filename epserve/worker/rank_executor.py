@@ -1,0 +1,190 @@
+"""RankExecutor: one rank's side of a step — validate, apply, run its rows, report.
+
+Every rank runs the same ``run`` on the same command: rank 0 with the command handed over as
+an object (one rank: nothing is encoded), ranks above 0 on the frame they received
+(``worker_step``, the seed's ``ModelEp::ep_worker_step`` body). So there is one validator
+(``worker.ep_mirror``) and one input builder for every ``ep_size``. Invariants: an invalid
+command raises ``EpCommandFailed`` on every rank and changes nothing; preparation that could
+fail on one rank only ends in an agreement all-reduce, so all raise or none does; under EP a
+rank with no rows still runs the forward (zero rows) and so joins every MoE collective. A
+rank's sequences are its slots in the mirror (KV length, block count, prompt facts) and its
+Runner's block tables; this module keeps only their sampling and last sampled token.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+import numpy as np
+
+from epserve.models.traits import EpCommandFailed, RowSampling
+from epserve.worker.batch import RankRows, StepInputs
+from epserve.worker.ep_mirror import EpMirror
+from epserve.worker.ep_results import RankResult, encode_result
+from epserve.worker.runner import Runner
+from epserve.worker.step_command import (
+    FEED_DEVICE, KIND_DECODE_AHEAD, KIND_SHUTDOWN, PrefillRow, ProtocolError, StepCommand,
+    WireLimits, decode,
+)
+
+log = logging.getLogger(__name__)
+
+
+class SoloComm:
+    """The collectives of a group of one rank: agreement is one's own verdict."""
+
+    def all_agree(self, ok: bool) -> bool:
+        return ok
+
+
+class RankExecutor:
+    """Executes this rank's rows of each command on its Runner (model, KV, block tables)."""
+
+    def __init__(self, runner: Runner, comm: Any, rank: int, world_size: int):
+        self.runner = runner
+        self.comm = comm
+        self.rank = rank
+        self.world_size = world_size
+        max_slots = runner.cfg.max_num_seqs
+        self.mirror = EpMirror(world_size, runner.num_blocks, runner.block_size, max_slots,
+                               runner.tables.max_blocks_per_seq,
+                               runner.model_config.vocab_size,
+                               lookahead=runner.lookahead is not None)
+        # what a correct leader never exceeds: a frame beyond it is refused before any row
+        # is built (bounds the work a hostile or corrupt frame can cause)
+        self.limits = WireLimits(world_size, max_slots, runner.tables.max_blocks_per_seq)
+        self.sampling: list[RowSampling | None] = [None] * max_slots
+        self.last_token = np.full(max_slots, -1, dtype=np.int64)
+        self.failures: list[EpCommandFailed] = []
+        self.last_applied = -1
+        self.last_logits: Any = None  # the last step's sampled rows' logits (one rank)
+
+    # ------------------------------------------------------------------ one step
+
+    def step(self, frame: bytes) -> bytes | None:
+        """Run one encoded command; the encoded ``RankResult``, or None for shutdown. Raises
+        ``ProtocolError`` (broken channel) or ``EpCommandFailed`` (same on every rank)."""
+        res = self.run(decode(frame, self.limits))
+        return None if res is None else encode_result(res)
+
+    def run(self, cmd: StepCommand) -> RankResult | None:
+        """Run one command; this rank's ``RankResult``, or None for shutdown."""
+        admitted = self.admit(cmd)
+        return None if admitted is None else self.execute(cmd, *admitted)
+
+    def admit(self, cmd: StepCommand) -> tuple[RankRows | None, StepInputs | None] | None:
+        """The host half of a step: validate ``cmd``, apply it, and build this rank's rows and
+        inputs (None for shutdown). ``EpCommandFailed`` as every rank raises it."""
+        self.mirror.validate(cmd)
+        if cmd.kind == KIND_SHUTDOWN:
+            return None
+        if self.runner.lookahead is not None and cmd.new_seqs:
+            self.runner.lookahead.discard()  # a slot may hold a new sequence now
+        self.mirror.apply(cmd)
+        self.last_applied = cmd.step_id
+        self._apply_local(cmd)
+        err, rows, inp = None, None, None
+        try:
+            rows = self._rows(cmd)
+            if rows is not None:
+                inp = self.runner.prepare(rows)
+        except Exception as exc:  # e.g. an allocation on this rank only: agree first
+            err = exc
+        if not self.comm.all_agree(err is None):
+            if err is not None:
+                log.error("rank %d: preparing step %d failed: %s", self.rank, cmd.step_id, err)
+            reason = (f"preparation failed on rank {self.rank} ({type(err).__name__})" if err
+                      else "preparation failed on another rank")
+            raise EpCommandFailed(cmd.step_id, reason)
+        return rows, inp
+
+    def _apply_local(self, cmd: StepCommand) -> None:
+        me, tables = self.rank, self.runner.tables
+        for r in cmd.releases:
+            if r.rank == me:
+                self.sampling[r.slot] = None
+                self.last_token[r.slot] = -1
+        for n in cmd.new_seqs:
+            if n.rank == me:
+                self.sampling[n.slot] = n.sampling
+        for u in cmd.sampling_updates:
+            if u.rank == me:
+                self.sampling[u.slot] = u.sampling
+        for b in cmd.block_updates:
+            if b.rank == me:
+                tables.set_blocks(b.slot, b.first, b.blocks)
+
+    def _rows(self, cmd: StepCommand) -> RankRows | None:
+        """This rank's rows of an applied command (positions from the mirror, fed tokens from
+        the command or this rank's last sample)."""
+        me = self.rank
+        rank, slot, feed, oidx = cmd.decode.cols
+        if self.world_size > 1:
+            mine = rank == me
+            slot, feed, oidx = slot[mine], feed[mine], oidx[mine]
+        prefill = [p for p in cmd.prefill if p.rank == me]
+        if not len(slot) and not prefill:
+            return None
+        pos = self.mirror.seq_len[me][slot] - 1  # applied: each decode row advanced by one
+        ids = np.where(feed == FEED_DEVICE, self.last_token[slot], feed)
+        samp = self.sampling
+        sampling = [samp[s] for s in slot.tolist()]
+        output_index = oidx.tolist()
+        for p in prefill:
+            if p.sample:
+                sampling.append(samp[p.slot])
+                output_index.append(p.output_index)
+        return RankRows(slot, pos, ids, prefill, sampling, output_index,
+                        [self._prompt_logprobs(p) for p in prefill])
+
+    def _prompt_logprobs(self, p: PrefillRow) -> tuple[int, tuple[int, ...]] | None:
+        """(top-k, each position's next-token target or -1) for a collecting row, else None."""
+        info = self.mirror.slots[(self.rank, p.slot)]
+        if info.prompt_logprobs < 0:
+            return None
+        nxt = list(p.tokens[1:]) + [p.next_token]
+        return info.prompt_logprobs, tuple(
+            t if p.start + i + 1 < info.prompt_len else -1 for i, t in enumerate(nxt))
+
+    def execute(self, cmd: StepCommand, rows: RankRows | None,
+                inp: StepInputs | None) -> RankResult:
+        """The device half of an admitted step: forward, sampling; this rank's result."""
+        me = self.rank
+        if rows is None:
+            if self.world_size > 1:
+                self.runner.empty_forward()
+            return RankResult(cmd.step_id, me, {}, {})
+        ahead = cmd.kind == KIND_DECODE_AHEAD
+        nblocks = self.mirror.nblocks[me][rows.decode_slots] if ahead else None
+        out = self.runner.execute(rows, inp, ahead, nblocks)
+        self.last_logits = out.logits
+        nd = rows.num_decode
+        slots = rows.decode_slots.tolist() + [p.slot for p in rows.prefill if p.sample]
+        sampled = dict(zip(slots, out.tokens))
+        if nd:
+            self.last_token[rows.decode_slots] = [t.token_id for t in out.tokens[:nd]]
+        for s, tok in zip(slots[nd:], out.tokens[nd:]):
+            self.last_token[s] = tok.token_id
+        return RankResult(cmd.step_id, me, sampled, out.prompt_logprobs)
+
+    # ------------------------------------------------------------------ worker loop
+
+    def ep_worker_step(self) -> bool:
+        """Rank > 0 (the seed's ``ModelEp::ep_worker_step``): receive one command, run it, send
+        results. False on shutdown. A failed
+        command is logged and skipped (the leader fails its requests); a receive error or a
+        malformed frame means the channel is broken and propagates (the worker exits)."""
+        frame = self.comm.broadcast_bytes(None, src=0)
+        try:
+            out = self.step(frame)
+        except EpCommandFailed as exc:
+            log.error("EpCommandFailed step=%d reason=%s", exc.step_id, exc.reason)
+            self.failures.append(exc)
+            return True
+        except ProtocolError:
+            raise
+        if out is None:
+            return False
+        self.comm.gather_bytes(out, dst=0)
+        return True

@@ -1,0 +1,120 @@
+"""What the ranks know of each live sequence, seen from rank 0, and what a command must add.
+
+``RankView`` holds, per ``(rank, slot)``, the block count and sampling the ranks were sent and
+the token the slot sampled last; ``Shipment`` turns one step's rows into the command's
+sequence updates (new sequences, block updates, sampling updates) and decode columns.
+Invariants: the view changes only once a command ran on every rank (``Shipment.commit``); a
+freed sequence is forgotten at once, so a new sequence in its slot is shipped whole; a decode
+row's fed token travels as ``FEED_DEVICE`` when it is the one its rank sampled last. A step's
+decode rows are handled as columns: 256 steady decode rows cost a few list comprehensions and
+one array, not 256 objects.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Sequence
+
+from epserve.models.traits import SequenceState
+from epserve.worker.step_command import (
+    FEED_DEVICE, BlockUpdate, DecodeRows, NewSeq, SamplingUpdate,
+)
+
+_UNKNOWN = -1  # block count of a slot whose sequence the ranks do not know
+_NO_TOKEN = -2  # last token of a slot that has sampled none (never equals a fed token)
+
+
+class RankView:
+    """Rank 0's record of what every rank was sent, over ``world_size * max_slots`` slots."""
+
+    def __init__(self, world_size: int, max_slots: int):
+        self.world_size, self.max_slots = world_size, max_slots
+        n = world_size * max_slots
+        # plain lists: a step reads them once per row in a list comprehension, cheaper than
+        # numpy calls on a few hundred values
+        self.nblocks = [_UNKNOWN] * n
+        self.sampling: list[Any] = [None] * n
+        self.last_token = [_NO_TOKEN] * n
+        self.pending_releases: set[tuple[int, int]] = set()
+
+    def flat(self, seq: SequenceState) -> int:
+        return seq.rank * self.max_slots + seq.slot_idx
+
+    def forget(self, rank: int, slot: int, known: bool) -> None:
+        """The sequence in ``(rank, slot)`` was freed; ``known``: the ranks hold it and must be
+        told to release it."""
+        if known:
+            self.pending_releases.add((rank, slot))
+        f = rank * self.max_slots + slot
+        self.nblocks[f] = _UNKNOWN
+        self.sampling[f] = None
+        self.last_token[f] = _NO_TOKEN
+
+    def sampled(self, flats: Sequence[int], tokens: Sequence[int]) -> None:
+        """The tokens these slots sampled in the step that just ran."""
+        last = self.last_token
+        for f, t in zip(flats, tokens):
+            last[f] = t
+
+
+class Shipment:
+    """What one command tells the ranks about the sequences its rows name."""
+
+    def __init__(self, view: RankView):
+        self.view = view
+        self.new: list[NewSeq] = []
+        self.sampling: list[SamplingUpdate] = []
+        self.blocks: list[BlockUpdate] = []
+        self._sampling_sent: dict[int, Any] = {}
+        self._blocks_sent: dict[int, int] = {}
+
+    def decode_rows(self, tokens: Sequence[int], seqs: Sequence[SequenceState]) -> DecodeRows:
+        """The decode columns (rank, slot, feed, output index), shipping what each row's
+        sequence needs first."""
+        if not seqs:
+            return DecodeRows()
+        view = self.view
+        ms = view.max_slots
+        if view.world_size == 1:
+            flat = [s.slot_idx for s in seqs]
+        else:
+            flat = [s.rank * ms + s.slot_idx for s in seqs]
+        nb, samp, last = view.nblocks, view.sampling, view.last_token
+        for s, x in zip(seqs, flat):  # new blocks, a new sequence or a changed sampling
+            if len(s.block_table) != nb[x] or s.sampling is not samp[x]:
+                self.sequence(s)
+        feed = [FEED_DEVICE if last[x] == t else t for x, t in zip(flat, tokens)]
+        oidx = [s.output_index for s in seqs]
+        if view.world_size == 1:
+            return DecodeRows.of([0] * len(flat), flat, feed, oidx)
+        return DecodeRows.of([x // ms for x in flat], [x % ms for x in flat], feed, oidx)
+
+    def sequence(self, seq: SequenceState) -> None:
+        """Ship what the ranks do not know of ``seq`` yet: all of it once, then new blocks and
+        a changed sampling."""
+        view = self.view
+        f = view.flat(seq)
+        shipped = view.nblocks[f]
+        if shipped == _UNKNOWN:
+            self.new.append(NewSeq(seq.rank, seq.slot_idx, seq.seq_len, max(seq.prompt_len, 1),
+                                   -1 if seq.collect_prompt_logprobs is None
+                                   else seq.collect_prompt_logprobs, seq.sampling))
+            self._sampling_sent[f] = seq.sampling
+            shipped = 0
+            self._blocks_sent[f] = 0
+        elif view.sampling[f] is not seq.sampling:
+            self.sampling.append(SamplingUpdate(seq.rank, seq.slot_idx, seq.sampling))
+            self._sampling_sent[f] = seq.sampling
+        n = len(seq.block_table)
+        if n > shipped:
+            self.blocks.append(BlockUpdate(seq.rank, seq.slot_idx, shipped,
+                                           tuple(seq.block_table[shipped:])))
+            self._blocks_sent[f] = n
+
+    def commit(self, releases: Sequence[Any]) -> None:
+        """Every rank ran the command: what it shipped (and released) is known everywhere."""
+        view = self.view
+        view.pending_releases.difference_update((r.rank, r.slot) for r in releases)
+        for f, s in self._sampling_sent.items():
+            view.sampling[f] = s
+        for f, n in self._blocks_sent.items():
+            view.nblocks[f] = n
