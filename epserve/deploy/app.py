@@ -27,6 +27,7 @@ from epserve.deploy.config import AppConfig
 from epserve.deploy.errors import ApiError
 from epserve.deploy.gate import AuthMiddleware, Gate, error_response
 from epserve.deploy.metrics import CONTENT_TYPE, ServerMetrics
+from epserve.deploy.responses_api import add_responses_routes
 from epserve.deploy.serving import ModelInfo, OpenAIServing
 from epserve.deploy.vllm_routes import LoadTracker, ServerLoad, add_vllm_routes, health_response
 from epserve.head.limits import RequestLimits
@@ -81,6 +82,7 @@ def make_fastapi_app(serving: OpenAIServing, gate: Gate) -> FastAPI:
 
     add_vllm_routes(app, serving, load)  # /version, /ping, /load, /tokenizer_info
     add_anthropic_routes(app, serving, gate, _respond)  # /v1/messages, Anthropic's errors
+    add_responses_routes(app, serving, gate, _respond)  # /v1/responses (not stored)
     return app
 
 
