@@ -21,12 +21,14 @@ from __future__ import annotations
 import contextlib
 import json
 import logging
-from typing import Any, AsyncIterator, Callable
+from typing import Any, AsyncIterator, Awaitable, Callable
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 
+from epserve.deploy.anthropic_blocks import to_anthropic_id
 from epserve.deploy.anthropic_models import CountTokensRequest, MessagesRequest, parse
+from epserve.deploy.errors import ApiError, bad_request
 from epserve.deploy.gate import Gate, app_path
 
 log = logging.getLogger(__name__)
@@ -69,6 +71,8 @@ def _stop(finish_reason: str | None, stop_reason: Any) -> tuple[str, str | None]
     """Anthropic's (stop_reason, stop_sequence) for a chat choice's finish."""
     if finish_reason == "length":
         return "max_tokens", None
+    if finish_reason == "tool_calls":
+        return "tool_use", None
     if isinstance(stop_reason, str):  # the stop string that ended it (vLLM's stop_reason)
         return "stop_sequence", stop_reason
     return "end_turn", None  # EOS or a stop token id
@@ -103,14 +107,23 @@ def _block(kind: str, text: str) -> dict[str, Any]:
     return {"type": "text", "text": text}
 
 
+def _tool_use(call_id: str, name: str, args: Any) -> dict[str, Any]:
+    """A chat tool call as a ``tool_use`` block (``args``: its arguments as a JSON value)."""
+    return {"type": "tool_use", "id": to_anthropic_id(call_id), "name": name, "input": args}
+
+
 def message_body(chat: dict[str, Any]) -> dict[str, Any]:
     """A chat completion (n = 1) as Anthropic's message: its reasoning as a thinking block,
-    then its text (a text block always, unless there is reasoning and no text)."""
+    then its text (a text block always, unless there is reasoning or a call and no text),
+    then a ``tool_use`` block per tool call (its arguments' JSON as ``input``)."""
     choice = chat["choices"][0]
     reason, sequence = _stop(choice["finish_reason"], choice.get("stop_reason"))
-    thought, text = _reasoning(choice["message"]), choice["message"].get("content") or ""
+    message = choice["message"]
+    thought, text = _reasoning(message), message.get("content") or ""
+    calls = [_tool_use(c["id"], c["function"]["name"], json.loads(c["function"]["arguments"]))
+             for c in message.get("tool_calls") or ()]
     content = ([_block("thinking", thought)] if thought else []) + \
-        ([_block("text", text)] if text or not thought else [])
+        ([_block("text", text)] if text or not (thought or calls) else []) + calls
     return {**_shell(chat), "content": content, "stop_reason": reason,
             "stop_sequence": sequence, "usage": usage(chat["usage"])}
 
@@ -122,29 +135,44 @@ def event(obj: dict[str, Any]) -> str:
 
 
 class _Blocks:
-    """A streamed message's content blocks: a block opens when a delta of its kind arrives
-    after one of another kind (the previous one is closed), so their order and indices are the
-    whole message's."""
+    """A streamed message's content blocks: a block opens when a delta of its kind (a tool
+    call: of its index) arrives after one of another (the previous one is closed), so their
+    order and indices are the whole message's."""
 
     def __init__(self) -> None:
-        self.index, self.kind, self.opened = -1, None, False
+        self.index, self.key, self.opened = -1, None, False
+
+    def _open(self, key: Any, block: dict[str, Any]) -> list[str]:
+        out = self.close()
+        self.index, self.key, self.opened = self.index + 1, key, True
+        out.append(event({"type": "content_block_start", "index": self.index,
+                          "content_block": block}))
+        return out
+
+    def _delta(self, delta: dict[str, Any]) -> str:
+        return event({"type": "content_block_delta", "index": self.index, "delta": delta})
 
     def delta(self, kind: str, text: str) -> list[str]:
-        out = []
-        if kind != self.kind:
-            out = self.close()
-            self.index, self.kind, self.opened = self.index + 1, kind, True
-            out.append(event({"type": "content_block_start", "index": self.index,
-                              "content_block": _block(kind, "")}))
+        out = self._open(kind, _block(kind, "")) if kind != self.key else []
         if text:
-            out.append(event({"type": "content_block_delta", "index": self.index,
-                              "delta": {"type": f"{kind}_delta", kind: text}}))
+            out.append(self._delta({"type": f"{kind}_delta", kind: text}))
+        return out
+
+    def tool_call(self, call: dict[str, Any]) -> list[str]:
+        """A chat ``delta.tool_calls`` entry: a call's first (id and name) opens its
+        ``tool_use`` block, its argument pieces are ``input_json_delta``s."""
+        key = ("tool", call["index"])
+        fn = call.get("function") or {}
+        out = self._open(key, _tool_use(call["id"], fn["name"], {})) if key != self.key else []
+        if fn.get("arguments"):
+            out.append(self._delta({"type": "input_json_delta",
+                                    "partial_json": fn["arguments"]}))
         return out
 
     def close(self) -> list[str]:
-        if self.kind is None:
+        if self.key is None:
             return []
-        self.kind = None
+        self.key = None
         return [event({"type": "content_block_stop", "index": self.index})]
 
 
@@ -175,6 +203,9 @@ async def message_events(chunks: AsyncIterator[str]) -> AsyncIterator[str]:
                                    ("text", choice["delta"].get("content"))):
                     for e in blocks.delta(kind, text) if text else ():
                         yield e
+                for call in choice["delta"].get("tool_calls") or ():
+                    for e in blocks.tool_call(call):
+                        yield e
                 if choice.get("finish_reason"):
                     finish = (choice["finish_reason"], choice.get("stop_reason"))
     if not blocks.opened:  # no text at all: one empty text block, as the whole message has
@@ -200,13 +231,57 @@ class AnthropicMessages:
 
     async def create(self, body: dict[str, Any]) -> dict[str, Any] | AsyncIterator[str]:
         req: MessagesRequest = parse(MessagesRequest, body)
-        result = await self.serving.chat(req.chat_body())  # its errors: AnthropicErrors
+        if req.thinking is not None and req.thinking.type == "enabled" and \
+                not self.serving.parsing.reasoning_parser:
+            raise bad_request("thinking: this server splits no thinking off the answer (it "
+                              "runs without --reasoning-parser), so no thinking block would "
+                              "come back", param="thinking")
+        result = await self._chat_path(req, self.serving.chat, req.chat_body())
         return message_body(result) if isinstance(result, dict) else message_events(result)
 
     async def count_tokens(self, body: dict[str, Any]) -> dict[str, Any]:
         req: CountTokensRequest = parse(CountTokensRequest, body)
-        tokens = await self.serving.tokenize(req.template_fields())
+        tokens = await self._chat_path(req, self.serving.tokenize, req.template_fields())
         return {"input_tokens": tokens["count"]}
+
+    async def _chat_path(self, req: CountTokensRequest, call: Callable[[dict], Awaitable[Any]],
+                         chat_body: dict[str, Any]) -> Any:
+        """``call`` (the chat path) on the body; its refusals of fields this layer made
+        (``tool_choice``, ``chat_template_kwargs``) told in the request's terms."""
+        self._check_thinking_history(req, chat_body["messages"])
+        try:
+            return await call(chat_body)
+        except ApiError as exc:
+            raise _in_anthropic_terms(req, chat_body, exc) from None
+
+    def _check_thinking_history(self, req: CountTokensRequest,
+                                messages: list[dict[str, Any]]) -> None:
+        """Thinking blocks render as reasoning: a template that never reads it would drop
+        them, so they are refused there."""
+        if not any(m.get("reasoning_content") for m in messages):
+            return
+        template = getattr(self.serving.tokenizer, "chat_template", None)
+        sources = template.values() if isinstance(template, dict) else [template or ""]
+        if not any("reasoning_content" in str(src) for src in sources):
+            where = next(f"messages.{i}.content.{j}" for i, m in enumerate(req.messages)
+                         if isinstance(m.content, list) for j, b in enumerate(m.content)
+                         if isinstance(b, dict) and b.get("type") == "thinking")
+            raise bad_request(f"{where}: this model's chat template does not render "
+                              f"reasoning, so a thinking block would be dropped",
+                              param="messages")
+
+
+def _in_anthropic_terms(req: CountTokensRequest, chat_body: dict[str, Any],
+                        exc: ApiError) -> ApiError:
+    if exc.param == "chat_template_kwargs" and req.thinking is not None:
+        return ApiError(exc.status, f"thinking: sent to the template as enable_thinking, "
+                        f"and {exc.message}", param="thinking")
+    if exc.param == "tool_choice":
+        what = (f"type {req.tool_choice.type!r} is the chat path's "
+                f"{json.dumps(chat_body.get('tool_choice'))}" if req.tool_choice else
+                "unset, which is 'auto' with tools")
+        return ApiError(exc.status, f"tool_choice: {what}: {exc.message}", param="tool_choice")
+    return exc
 
 
 def add_anthropic_routes(app: FastAPI, serving: Any, gate: Gate,

@@ -2,14 +2,17 @@
 as pydantic models, and their translation into the OpenAI chat body the chat path serves.
 
 Invariants: models are strict and refuse an unknown field with a 400 naming it, as the OpenAI
-models do; every content block the server cannot honour (``image``, ``document``, ``tool_use``,
-``tool_result``, ``thinking``, ...) is a 400 naming its place and type, never dropped; the
-translation keeps every message and text block, in order: ``system`` becomes the first chat
-message, text blocks stay text parts (the chat path joins them), and a final ``assistant``
-message is continued (Anthropic's prefill: the answer carries on from it) rather than
-answered. ``cache_control`` (``ephemeral``) is accepted because the engine's prefix cache keeps
-every prompt prefix it has computed (on by default); ``usage.cache_read_input_tokens`` reports
-what it reused.
+models do; every content block the server cannot honour (``image``, ``document``,
+``redacted_thinking``, server tools, ...) is a 400 naming its place and type, never dropped;
+the translation keeps every message and block, in order (``anthropic_blocks``: text, tool use
+and results, thinking): ``system`` becomes the first chat message, text blocks stay text parts
+(the chat path joins them), and a final ``assistant`` message is continued (Anthropic's
+prefill: the answer carries on from it) rather than answered. ``tools``, ``tool_choice`` and
+``thinking`` become the chat body's ``tools``, ``tool_choice`` / ``parallel_tool_calls`` and
+``chat_template_kwargs.enable_thinking``, so the chat path's checks (the server's flags, what
+the template reads) judge them. ``cache_control`` (``ephemeral``) is accepted because the
+engine's prefix cache keeps every prompt prefix it has computed (on by default);
+``usage.cache_read_input_tokens`` reports what it reused.
 """
 
 from __future__ import annotations
@@ -18,44 +21,14 @@ from typing import Any, Literal, Union
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from epserve.deploy.errors import ApiError, bad_request
+from epserve.deploy.anthropic_blocks import (
+    CacheControl, TextBlock, Thinking, ToolChoice, assistant_message, parse_tools,
+    user_messages,
+)
+from epserve.deploy.errors import bad_request
 from epserve.deploy.openai_models import INT32, validate
 
 _STRICT = ConfigDict(strict=True, extra="forbid")
-
-#: Why each Anthropic block type but text cannot be served here.
-_TEXT_ONLY = "this server serves text-only models"
-_NO_TOOLS = "tool use is not supported by this server yet"
-_NO_THINKING = "extended thinking is not supported by this server"
-_UNSUPPORTED_BLOCKS = {
-    "image": _TEXT_ONLY, "document": _TEXT_ONLY, "container_upload": _TEXT_ONLY,
-    "search_result": "search results are not supported by this server",
-    "tool_use": _NO_TOOLS, "tool_result": _NO_TOOLS, "server_tool_use": _NO_TOOLS,
-    "web_search_tool_result": _NO_TOOLS,
-    "thinking": _NO_THINKING, "redacted_thinking": _NO_THINKING,
-}
-
-
-class CacheControl(BaseModel):
-    """A prompt-cache breakpoint. The engine's prefix cache is automatic: every prefix it has
-    computed is kept while memory allows, breakpoint or not."""
-
-    model_config = _STRICT
-    type: Literal["ephemeral"]
-    ttl: Literal["5m", "1h"] | None = None
-
-
-class TextBlock(BaseModel):
-    model_config = _STRICT
-    type: Literal["text"]
-    text: str
-    cache_control: CacheControl | None = None
-    citations: list[Any] | None = None  # a response block sent back; only empty is served
-
-    def check(self, where: str) -> None:
-        if self.citations:
-            raise bad_request(f"{where}.citations: citations are not supported by this server",
-                              param=where.split(".", 1)[0])
 
 
 class Message(BaseModel):
@@ -63,13 +36,17 @@ class Message(BaseModel):
     role: Literal["user", "assistant"]
     content: Union[str, list[dict[str, Any]]]
 
-    def to_chat(self, index: int) -> dict[str, Any]:
-        """The message as an OpenAI chat message: a string, or its text blocks as text parts."""
+    def to_chat(self, index: int, final: bool, asked: set[str]) -> tuple[list[dict[str, Any]],
+                                                                         set[str]]:
+        """The message as OpenAI chat messages (a user message's tool results are ``tool``
+        messages of their own), and the tool_use ids it asks (``asked``: the previous
+        assistant message's, which its tool results answer)."""
         if isinstance(self.content, str):
-            return {"role": self.role, "content": self.content}
-        parts = [_text_block(b, f"messages.{index}.content.{j}")
-                 for j, b in enumerate(self.content)]
-        return {"role": self.role, "content": [{"type": "text", "text": t} for t in parts]}
+            return [{"role": self.role, "content": self.content}], set()
+        if self.role == "user":
+            return user_messages(self.content, index, asked), set()
+        msg, ids = assistant_message(self.content, index, final)
+        return [msg], ids
 
 
 class Metadata(BaseModel):
@@ -87,23 +64,17 @@ class CountTokensRequest(BaseModel):
     messages: list[Message] = Field(..., max_length=4096)
     system: Union[str, list[TextBlock], None] = None
     cache_control: CacheControl | None = None
-    # Anthropic's fields this server refuses (see check); declared so the refusal says why.
-    tools: list[dict[str, Any]] | None = None
-    tool_choice: dict[str, Any] | None = None
-    thinking: dict[str, Any] | None = None
+    tools: list[Any] | None = Field(None, max_length=1024)  # each parsed by parse_tools
+    tool_choice: ToolChoice | None = None
+    thinking: Thinking | None = None
 
     def check(self) -> None:
         if not self.messages:
             raise bad_request("messages: at least one message is required", param="messages")
-        if self.tools:
-            raise bad_request(f"tools: {_NO_TOOLS}", param="tools")
-        choice = (self.tool_choice or {}).get("type")
-        if self.tool_choice is not None and choice not in ("auto", "none"):
-            raise bad_request(f"tool_choice: {choice!r} needs tools, which this server does "
-                              f"not support yet; only 'auto' and 'none' are accepted",
-                              param="tool_choice")
+        if self.tool_choice is not None:
+            self.tool_choice.check()
         if self.thinking is not None:
-            raise bad_request(f"thinking: {_NO_THINKING}", param="thinking")
+            self.thinking.check(getattr(self, "max_tokens", None))
 
     @property
     def prefill(self) -> bool:
@@ -120,14 +91,24 @@ class CountTokensRequest(BaseModel):
                 block.check(f"system.{j}")
             out.append({"role": "system",
                         "content": [{"type": "text", "text": b.text} for b in self.system]})
-        out += [m.to_chat(i) for i, m in enumerate(self.messages)]
+        asked: set[str] = set()
+        last = len(self.messages) - 1
+        for i, m in enumerate(self.messages):
+            msgs, asked = m.to_chat(i, final=i == last and self.prefill, asked=asked)
+            out += msgs
         return out
 
     def template_fields(self) -> dict[str, Any]:
-        """The chat body's messages and how the template ends them."""
-        return {"model": self.model, "messages": self.chat_messages(),
-                "add_generation_prompt": not self.prefill,
-                "continue_final_message": self.prefill}
+        """The chat body's messages, tools and template switches, and how the template ends
+        the messages."""
+        out: dict[str, Any] = {"model": self.model, "messages": self.chat_messages(),
+                               "add_generation_prompt": not self.prefill,
+                               "continue_final_message": self.prefill}
+        if self.tools:
+            out["tools"] = [t.to_chat() for t in parse_tools(self.tools)]
+        if self.thinking is not None:
+            out["chat_template_kwargs"] = self.thinking.template_kwargs()
+        return out
 
 
 class MessagesRequest(CountTokensRequest):
@@ -143,7 +124,7 @@ class MessagesRequest(CountTokensRequest):
 
     def chat_body(self) -> dict[str, Any]:
         """The OpenAI chat body that asks the engine for this message."""
-        body = {**self.template_fields(), "max_tokens": self.max_tokens,
+        body = {**self.template_fields(), **self.tool_fields(), "max_tokens": self.max_tokens,
                 "stream": self.stream, "stop": self.stop_sequences,
                 "user": self.metadata.user_id if self.metadata else None}
         for name in ("temperature", "top_p", "top_k"):
@@ -153,21 +134,13 @@ class MessagesRequest(CountTokensRequest):
             body["stream_options"] = {"include_usage": True, "continuous_usage_stats": True}
         return body
 
-
-def _text_block(block: dict[str, Any], where: str) -> str:
-    """A content block's text, or a 400 naming the block (its place and type)."""
-    kind = block.get("type")
-    if kind != "text":
-        why = _UNSUPPORTED_BLOCKS.get(kind) if isinstance(kind, str) else None
-        what = f"{kind!r} content blocks are not supported ({why})" if why else \
-            f"{kind!r} is not a content block type this server knows"
-        raise bad_request(f"{where}.type: {what}; send text blocks", param="messages")
-    try:
-        tb: TextBlock = validate(TextBlock, block)
-    except ApiError as exc:  # put the block's place in front of the field it names
-        raise bad_request(f"{where}.{exc.message}", param="messages") from None
-    tb.check(where)
-    return tb.text
+    def tool_fields(self) -> dict[str, Any]:
+        """``tool_choice`` as the chat body's fields (with no tools, ``auto`` and ``none``
+        both mean no call: the chat path's default then)."""
+        choice = self.tool_choice
+        if choice is None or (not self.tools and choice.type in ("auto", "none")):
+            return {}
+        return choice.to_chat()
 
 
 def parse(model: type[CountTokensRequest], body: dict[str, Any]) -> Any:

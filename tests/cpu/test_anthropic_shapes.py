@@ -15,6 +15,12 @@ import pytest
 
 from epserve.deploy import responses as R
 from epserve.deploy.anthropic_api import AnthropicErrors, message_body, message_events
+from epserve.deploy.anthropic_blocks import to_anthropic_id, to_chat_id
+from epserve.deploy.anthropic_models import MessagesRequest, parse
+from epserve.deploy.chat_output import ChatParsing, ToolPlan, choice_parser
+from epserve.deploy.errors import ApiError
+from epserve.deploy.openai_models import ChatCompletionRequest, validate
+from epserve.deploy.tool_parser import new_call_id
 
 HEAD = {"id": "chatcmpl-abc", "object": "chat.completion.chunk", "created": 0, "model": "m"}
 USAGE = {"prompt_tokens": 9, "completion_tokens": 4, "total_tokens": 13,
@@ -66,7 +72,7 @@ def _accumulate(events: list[dict]) -> dict:
     """What a client builds from the events (as the anthropic client's accumulator does)."""
     assert events[0]["type"] == "message_start" and events[-1]["type"] == "message_stop"
     msg = dict(events[0]["message"], content=[])
-    open_index = None
+    open_index, partial_json = None, ""
     for e in events[1:-1]:
         if e["type"] == "content_block_start":
             assert open_index is None and e["index"] == len(msg["content"])
@@ -74,11 +80,18 @@ def _accumulate(events: list[dict]) -> dict:
             open_index = e["index"]
         elif e["type"] == "content_block_delta":
             assert e["index"] == open_index
+            block = msg["content"][open_index]
+            if e["delta"]["type"] == "input_json_delta":  # a tool_use block's input, as JSON
+                assert block["type"] == "tool_use" and block["input"] == {}
+                partial_json += e["delta"]["partial_json"]
+                continue
             kind = e["delta"]["type"].removesuffix("_delta")
-            msg["content"][open_index][kind] += e["delta"][kind]
+            block[kind] += e["delta"][kind]
         elif e["type"] == "content_block_stop":
             assert e["index"] == open_index
-            open_index = None
+            if msg["content"][open_index]["type"] == "tool_use":
+                msg["content"][open_index]["input"] = json.loads(partial_json or "{}")
+            open_index, partial_json = None, ""
         elif e["type"] == "message_delta":
             assert open_index is None
             msg.update(e["delta"], usage={**msg["usage"], **e["usage"]})
@@ -181,3 +194,143 @@ def test_an_unexpected_exception_is_anthropics_500():
     assert status == 500
     assert json.loads(body) == {"type": "error", "error": {"type": "api_error",
                                                           "message": "internal server error"}}
+
+
+# ---------------------------------------------------------------- tools and thinking
+
+PARSING = ChatParsing(enable_auto_tool_choice=True, tool_call_parser="hermes",
+                      reasoning_parser="qwen3")
+CALL_TEXT = ('<think>Weather, so a call.</think>Let me check.<tool_call>\n'
+             '{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>\n'
+             '<tool_call>\n{"name": "get_time", "arguments": {}}\n</tool_call>')
+
+
+def _parsed(text: str, pieces: int) -> tuple[dict, list[dict]]:
+    """``text`` through the chat path's real parsers: the whole message, and the stream's
+    deltas for the text cut into ``pieces`` equal parts."""
+    plan = ToolPlan([{}], parse=True, parallel=True)
+    whole = choice_parser(PARSING, plan, False, whole=True)
+    message = whole.message(text)
+    message["finish_reason"] = whole.finish_reason("stop")
+    stream = choice_parser(PARSING, plan, False, whole=False)
+    k = -(-len(text) // pieces)
+    cuts = [text[i:i + k] for i in range(0, len(text), k)]
+    deltas = [stream.step(c, finished=i == len(cuts) - 1) for i, c in enumerate(cuts)]
+    return message, [d for d in deltas if d]
+
+
+def _ids_out(msg: dict) -> tuple[dict, list[str]]:
+    ids = [b.pop("id") for b in msg["content"] if b["type"] == "tool_use"]
+    return msg, ids
+
+
+@pytest.mark.parametrize("pieces", [1, 3, 17, len(CALL_TEXT)])
+def test_tool_calls_are_tool_use_blocks_whole_and_streamed(pieces):
+    message, deltas = _parsed(CALL_TEXT, pieces)
+    whole, whole_ids = _ids_out(message_body({**HEAD, "choices": [{
+        "index": 0, "message": message, "finish_reason": message.pop("finish_reason"),
+        "stop_reason": None}], "usage": USAGE}))
+    assert whole["stop_reason"] == "tool_use" and whole["stop_sequence"] is None
+    assert whole["content"] == [
+        {"type": "thinking", "thinking": "Weather, so a call.", "signature": ""},
+        {"type": "text", "text": "Let me check."},
+        {"type": "tool_use", "name": "get_weather", "input": {"city": "Paris"}},
+        {"type": "tool_use", "name": "get_time", "input": {}}]
+    events = _events(_chunks(deltas, "tool_calls"))
+    starts = [e["content_block"] for e in events if e["type"] == "content_block_start"]
+    assert [b.get("input") for b in starts] == [None, None, {}, {}]  # tool_use opens empty
+    streamed, streamed_ids = _ids_out(_accumulate(events))
+    assert streamed == whole
+    for ids in (whole_ids, streamed_ids):
+        assert len(set(ids)) == 2 and all(i.startswith("toolu_") for i in ids)
+
+
+def test_tool_ids_map_back_to_the_chat_paths():
+    chat_id = new_call_id()
+    assert to_chat_id(to_anthropic_id(chat_id)) == chat_id
+    assert to_chat_id("call_123") == "call_123"  # an id made elsewhere is kept
+
+
+def _request(**kw) -> dict:
+    body = {"model": "m", "max_tokens": 16, "messages": [{"role": "user", "content": "Hi"}]}
+    return parse(MessagesRequest, {**body, **kw}).chat_body()
+
+
+WEATHER = {"name": "get_weather", "description": "The weather.",
+           "input_schema": {"type": "object", "properties": {"city": {"type": "string"}}}}
+
+
+def test_a_tool_loop_translates_to_the_chat_history():
+    history = [
+        {"role": "user", "content": "Weather in Paris?"},
+        {"role": "assistant", "content": [
+            {"type": "thinking", "thinking": "A call.", "signature": ""},
+            {"type": "text", "text": "Checking."},
+            {"type": "tool_use", "id": "toolu_1", "name": "get_weather", "input": {"city": "P"}},
+            {"type": "tool_use", "id": "elsewhere", "name": "get_weather", "input": {}}]},
+        {"role": "user", "content": [
+            {"type": "tool_result", "tool_use_id": "toolu_1", "content": "22 C"},
+            {"type": "tool_result", "tool_use_id": "elsewhere", "is_error": True,
+             "content": [{"type": "text", "text": "no city"}, {"type": "text", "text": "!"}]},
+            {"type": "text", "text": "And?"}]}]
+    body = _request(messages=history, tools=[WEATHER], thinking={"type": "disabled"},
+                    tool_choice={"type": "auto", "disable_parallel_tool_use": True})
+    assert body["tools"] == [{"type": "function", "function": {
+        "name": "get_weather", "description": "The weather.",
+        "parameters": WEATHER["input_schema"]}}]
+    assert (body["tool_choice"], body["parallel_tool_calls"]) == ("auto", False)
+    assert body["chat_template_kwargs"] == {"enable_thinking": False}
+    chat = validate(ChatCompletionRequest, body)  # what the chat path reads
+    msgs = [m.to_template() for m in chat.messages]
+    assert [m["role"] for m in msgs] == ["user", "assistant", "tool", "tool", "user"]
+    assistant = msgs[1]
+    assert assistant["content"] == "Checking." and assistant["reasoning_content"] == "A call."
+    assert [(c["id"], c["function"]["arguments"]) for c in assistant["tool_calls"]] == [
+        (to_chat_id("toolu_1"), {"city": "P"}), ("elsewhere", {})]
+    assert [(m["tool_call_id"], m["content"]) for m in msgs[2:4]] == [
+        (assistant["tool_calls"][0]["id"], "22 C"), ("elsewhere", "Error: no city\n!")]
+    assert msgs[4]["content"] == "And?"
+
+
+@pytest.mark.parametrize("choice, chat", [
+    ({"type": "auto"}, {"tool_choice": "auto"}),
+    ({"type": "none"}, {"tool_choice": "none"}),
+    ({"type": "any"}, {"tool_choice": "required"}),
+    ({"type": "tool", "name": "get_weather", "disable_parallel_tool_use": True},
+     {"tool_choice": {"type": "function", "function": {"name": "get_weather"}},
+      "parallel_tool_calls": False}),
+])
+def test_tool_choice_is_the_chat_paths(choice, chat):
+    body = _request(tools=[WEATHER], tool_choice=choice)
+    assert {k: body[k] for k in chat} == chat and ("parallel_tool_calls" in body) == \
+        ("parallel_tool_calls" in chat)
+
+
+ASSISTANT_CALL = {"role": "assistant", "content": [
+    {"type": "tool_use", "id": "toolu_1", "name": "f", "input": {}}]}
+
+
+@pytest.mark.parametrize("fields, says", [
+    ({"tools": [{"type": "web_search_20250305", "name": "web_search"}]}, "tools.0.type"),
+    ({"tools": [{"name": "bad name", "input_schema": {}}]}, "tools.0.name"),
+    ({"tools": [{"name": "f"}]}, "tools.0.input_schema"),
+    ({"tool_choice": {"type": "tool"}}, "tool_choice.name"),
+    ({"tool_choice": {"type": "none", "disable_parallel_tool_use": True}}, "tool_choice"),
+    ({"thinking": {"type": "enabled"}}, "thinking.budget_tokens"),
+    ({"thinking": {"type": "enabled", "budget_tokens": 8}}, "cannot be honoured"),
+    ({"thinking": {"type": "adaptive"}}, "thinking.type"),
+    ({"messages": [{"role": "user", "content": [{"type": "tool_use", "id": "x", "name": "f",
+                                                 "input": {}}]}]}, "messages.0.content.0.type"),
+    ({"messages": [{"role": "user", "content": "Hi"}, ASSISTANT_CALL,
+                   {"role": "user", "content": [{"type": "tool_result",
+                                                 "tool_use_id": "toolu_2"}]}]},
+     "messages.2.content.0.tool_use_id"),
+    ({"messages": [{"role": "user", "content": "Hi"}, ASSISTANT_CALL]},
+     "messages.1.content.0.type: a final assistant message is continued"),
+    ({"messages": [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": [
+        {"type": "redacted_thinking", "data": "x"}]}]}, "messages.1.content.0.type"),
+])
+def test_what_cannot_be_served_is_a_400_naming_it(fields, says):
+    with pytest.raises(ApiError) as e:
+        _request(**fields)
+    assert e.value.status == 400 and says in e.value.message, e.value.message

@@ -241,9 +241,10 @@ def test_a_bad_message_is_a_400_naming_it(server, claude):
 
 
 @pytest.mark.parametrize("field, value, says", [
-    ("tools", [{"name": "f", "input_schema": {"type": "object"}}], "tools"),
-    ("tool_choice", {"type": "any"}, "tool_choice"),
-    ("thinking", {"type": "enabled", "budget_tokens": 1024}, "thinking"),
+    # (tools and thinking: test_anthropic_tools.py, against a server that parses them)
+    ("tools", [{"name": "f", "input_schema": {"type": "object"}}], "--enable-auto-tool-choice"),
+    ("tool_choice", {"type": "any"}, "tools` must be set"),
+    ("thinking", {"type": "enabled", "budget_tokens": 1024}, "--reasoning-parser"),
     ("temperature", 1.5, "temperature"),
     ("top_p", 0.0, "top_p"),
     ("stop_sequences", [""], "stop_sequences"),
