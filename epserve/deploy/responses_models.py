@@ -190,33 +190,32 @@ class _Part(BaseModel):
     logprobs: list[Any] | None = None
 
 
-class MessageItem(BaseModel):
+class _Item(BaseModel):
+    """An input item; ``id`` and ``status`` are a reply's, sent back (read by no one)."""
+
     model_config = _STRICT
+    id: str | None = None
+    status: Literal["in_progress", "completed", "incomplete"] | None = None
+
+
+class MessageItem(_Item):
     type: Literal["message"] = "message"
     role: Literal["user", "system", "developer", "assistant"]
     content: Union[str, list[dict[str, Any]]]
-    id: str | None = None
-    status: str | None = None
     phase: None = None
 
 
-class FunctionCallItem(BaseModel):
-    model_config = _STRICT
+class FunctionCallItem(_Item):
     type: Literal["function_call"]
     call_id: str
     name: str
     arguments: str
-    id: str | None = None
-    status: str | None = None
 
 
-class FunctionCallOutputItem(BaseModel):
-    model_config = _STRICT
+class FunctionCallOutputItem(_Item):
     type: Literal["function_call_output"]
     call_id: str
     output: Union[str, list[dict[str, Any]]]
-    id: str | None = None
-    status: str | None = None
 
 
 class _ReasoningText(BaseModel):
@@ -225,14 +224,11 @@ class _ReasoningText(BaseModel):
     text: str
 
 
-class ReasoningItem(BaseModel):
-    model_config = _STRICT
+class ReasoningItem(_Item):
     type: Literal["reasoning"]
-    id: str | None = None
-    summary: list[dict[str, Any]] = Field(default_factory=list)
+    summary: list[None] = Field(default_factory=list, max_length=0)  # none made here
     content: list[_ReasoningText] | None = None
     encrypted_content: None = None
-    status: str | None = None
 
 
 def _item(model: type[BaseModel], raw: Any, where: str, param: str) -> Any:

@@ -305,3 +305,20 @@ def test_responses_are_not_stored(server, client):
                                                        "max_output_tokens": 2}, timeout=30)
     assert r.status_code == 401  # the key is checked here too
     assert json.loads(r.text)["error"]
+
+
+def test_a_reply_sent_back_is_the_assistant_turn(server, client):
+    kw = dict(model=server.model, max_output_tokens=3, temperature=0)
+    first = client.responses.create(input="Hi", **kw)
+    again = client.responses.create(input=[{"role": "user", "content": "Hi"}, *first.output,
+                                           {"role": "user", "content": "More"}], **kw)
+    chat = client.chat.completions.create(
+        model=server.model, max_tokens=3, temperature=0,
+        messages=[{"role": "user", "content": "Hi"},
+                  {"role": "assistant", "content": first.output_text},
+                  {"role": "user", "content": "More"}])
+    assert again.usage.input_tokens == chat.usage.prompt_tokens
+    err = _refused(client.responses.create, input=[{"type": "reasoning", "id": "rs_1",
+                                                    "summary": [{"type": "summary_text",
+                                                                 "text": "x"}]}], **kw)
+    assert err.param == "input" and err.body["message"].startswith("input.0.summary")
