@@ -8,8 +8,14 @@ reshaped: a body to Anthropic's ``message``; a stream to Anthropic's events (``m
 ``ping``, then per content block ``content_block_start``, ``content_block_delta``...,
 ``content_block_stop``, then ``message_delta`` with the stop reason and the final usage,
 ``message_stop``), each with its ``event:`` line, the same blocks as the whole answer's (the
-reasoning a ``--reasoning-parser`` splits off as a ``thinking`` block, then the text), an error
-after the 200 as one ``error`` event that ends the stream. Closing the reshaped stream closes
+reasoning a ``--reasoning-parser`` splits off as a ``thinking`` block, then the text, then a
+``tool_use`` block per tool call the chat path parsed: ``input`` its arguments' JSON value,
+streamed as ``input_json_delta`` pieces after a start with ``input: {}``; ``stop_reason``
+``tool_use``), an error after the 200 as one ``error`` event that ends the stream. What the
+chat path refuses of a field this layer made (``tool_choice``, ``chat_template_kwargs`` from
+``thinking``) is said in the request's terms; ``thinking`` enabled needs a reasoning parser
+(else no thinking block could come back), and thinking blocks in the history a template that
+renders reasoning (else they would be dropped). Closing the reshaped stream closes
 the chat stream (its engine request is aborted). Every error answered under /v1/messages —
 the gate's 401/413/415, a route's 400/404, an unknown sub-path, an unexpected exception — is
 ``{"type": "error", "error": {"type", "message"}}`` with the error type Anthropic gives that
@@ -112,6 +118,15 @@ def _tool_use(call_id: str, name: str, args: Any) -> dict[str, Any]:
     return {"type": "tool_use", "id": to_anthropic_id(call_id), "name": name, "input": args}
 
 
+def _input(arguments: str) -> Any:
+    """A call's arguments as ``input``: their JSON value (an object when the model followed
+    the schema; a model that wrote a string holding no JSON gets that text, not a 500)."""
+    try:
+        return json.loads(arguments)
+    except ValueError:
+        return arguments
+
+
 def message_body(chat: dict[str, Any]) -> dict[str, Any]:
     """A chat completion (n = 1) as Anthropic's message: its reasoning as a thinking block,
     then its text (a text block always, unless there is reasoning or a call and no text),
@@ -120,7 +135,7 @@ def message_body(chat: dict[str, Any]) -> dict[str, Any]:
     reason, sequence = _stop(choice["finish_reason"], choice.get("stop_reason"))
     message = choice["message"]
     thought, text = _reasoning(message), message.get("content") or ""
-    calls = [_tool_use(c["id"], c["function"]["name"], json.loads(c["function"]["arguments"]))
+    calls = [_tool_use(c["id"], c["function"]["name"], _input(c["function"]["arguments"]))
              for c in message.get("tool_calls") or ()]
     content = ([_block("thinking", thought)] if thought else []) + \
         ([_block("text", text)] if text or not (thought or calls) else []) + calls

@@ -334,3 +334,13 @@ def test_what_cannot_be_served_is_a_400_naming_it(fields, says):
     with pytest.raises(ApiError) as e:
         _request(**fields)
     assert e.value.status == 400 and says in e.value.message, e.value.message
+
+
+def test_arguments_that_are_no_json_object_still_make_a_message():
+    # the model wrote "arguments" as a string: its text is the arguments, JSON or not
+    message, _ = _parsed('<tool_call>{"name": "f", "arguments": "{\\"a\\": 1}"}</tool_call>'
+                         '<tool_call>{"name": "g", "arguments": "not json"}</tool_call>', 1)
+    body = message_body({**HEAD, "choices": [{"index": 0, "message": message,
+                                             "finish_reason": "tool_calls"}], "usage": USAGE})
+    assert [(b["name"], b["input"]) for b in body["content"]] == [("f", {"a": 1}),
+                                                                   ("g", "not json")]
