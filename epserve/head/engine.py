@@ -271,10 +271,7 @@ class Engine:
             seq.finish_reason, seq.stop_reason = reason, stop_reason
             self.scheduler.finish(seq)
         elif seq.state is not None:
-            seq.state.output_index = n
-            seq.state.lookahead = n + 1 < seq.request.max_tokens  # else the next is the last
-            if seq.request.params.min_tokens >= n:
-                seq.state.sampling = seq.row_sampling()
+            seq.sync_state()
         touched[seq.request.request_id] = seq.request
 
     def _fail_seq(self, seq: Sequence, reason: str, touched: dict[str, Request]) -> None:

@@ -223,11 +223,8 @@ class Scheduler:
                 plan.failed.append((seq, f"the sequence needs {len(tokens)} tokens of KV "
                                          f"cache, more than the whole pool holds"))
                 continue
-            if seq.request.wants_prompt_logprobs:
-                state.collect_prompt_logprobs = seq.request.params.prompt_logprobs
-            state.prompt_len = len(seq.prompt_ids)
-            state.sampling = seq.row_sampling()
-            state.output_index = len(seq.output_ids)
+            seq.state = state
+            seq.sync_state(admitted=True)
             if self.cfg.enable_prefix_caching:
                 self.model.match_prefix(state, tokens)
                 self.prefix_cache_queries += len(tokens)
@@ -235,7 +232,6 @@ class Scheduler:
                 if not seq.output_ids:
                     seq.request.num_cached_tokens = max(seq.request.num_cached_tokens,
                                                         state.reused_prefix_tokens)
-            seq.state = state
             n = self._first_chunk(state, len(tokens), budget)
             if n == 0:
                 self.model.free_sequence(state)

@@ -70,6 +70,22 @@ class Sequence:
         return self.request.params.to_row_sampling(
             self.seed, self.stops.banned_ids(len(self.output_ids)))
 
+    def sync_state(self, admitted: bool = False) -> None:
+        """Write the head's fields of ``state`` (the one writer of them): the row's sampling,
+        its output index and whether its next step is likely (``lookahead``), and, when
+        ``admitted`` (a fresh ``SequenceState``), its prompt facts. Every other field is the
+        model's."""
+        state, n = self.state, len(self.output_ids)
+        if admitted:
+            state.prompt_len = len(self.request.prompt_ids)
+            if self.request.wants_prompt_logprobs:
+                state.collect_prompt_logprobs = self.request.params.prompt_logprobs
+            state.sampling = self.row_sampling()
+        elif self.request.params.min_tokens >= n:  # the bans may lift with this token
+            state.sampling = self.row_sampling()
+        state.output_index = n
+        state.lookahead = n + 1 < self.request.max_tokens  # else the next one is the last
+
     @property
     def finished(self) -> bool:
         return self.status is SeqStatus.FINISHED

@@ -73,7 +73,7 @@ class ForwardSelect(Enum):
 
 @dataclass(frozen=True, slots=True)
 class RowSampling:
-    """How the runner picks a row's next token (set by the scheduler at admission).
+    """How the runner picks a row's next token (set by the head).
 
     ``temperature == 0`` is greedy. ``top_k <= 0`` and ``top_p == 1`` and ``min_p == 0`` are
     off. ``seed`` keys a counter-based generator with the output index, so a row's draw depends
@@ -114,25 +114,25 @@ class ChunkedPrefillPageMetadata:
 
 @dataclass(slots=True)
 class SequenceState:
-    """One sequence's state across prefill and decode (owned by the scheduler, mutated by the
-    runner). Fields grow as capabilities are added; each says who sets it.
+    """One sequence's state across prefill and decode, allocated by the model. Each field has
+    one writer: the head's (``head.sequence.Sequence.sync_state``) or the model's.
 
-    - ``tokens``: prompt and generated ids the KV covers or will cover (runner appends).
-    - ``block_table``: physical KV blocks in logical order (runner).
-    - ``seq_len``: tokens whose KV is written (runner).
-    - ``slot_idx``: the runner's handle for this sequence (``alloc_sequence``).
+    - ``tokens``: prompt and generated ids the KV covers or will cover (the model appends).
+    - ``block_table``: physical KV blocks in logical order (the model).
+    - ``seq_len``: tokens whose KV is written (the model).
+    - ``slot_idx``: the model's handle for this sequence (``alloc_sequence``).
     - ``rank``: the EP rank whose KV pool holds the sequence (its placement, ``alloc_sequence``);
       read by the model's KV book and step routing only, never by the scheduler.
     - ``cached_prefix_tokens`` / ``cached_prefix_blocks``: prefix-cache match (``match_prefix``).
     - ``reused_prefix_tokens``: prompt tokens whose KV was read from the cache, not recomputed.
-    - ``prompt_len``: prompt tokens (scheduler).
-    - ``collect_prompt_logprobs``: ``k`` to score every prompt position with top-k (scheduler);
-      such a sequence bypasses the prefix cache. ``prompt_logprobs``: filled per chunk (runner).
-    - ``sampling``: the row's ``RowSampling`` (scheduler); ``output_index`` the count of tokens
-      sampled so far for it, the generator's counter (scheduler).
+    - ``prompt_len``: prompt tokens (head).
+    - ``collect_prompt_logprobs``: ``k`` to score every prompt position with top-k (head);
+      such a sequence bypasses the prefix cache. ``prompt_logprobs``: filled per chunk (the model).
+    - ``sampling``: the row's ``RowSampling`` (head); ``output_index`` the count of tokens
+      sampled so far for it, the generator's counter (head).
     - ``adapter_slot`` / ``adapter_id``: LoRA selection (no adapters yet: -1 / 0).
     - ``lookahead``: the row's next decode step is likely (its next token is not known to be
-      its last); a runner may queue that step's forward early (scheduler).
+      its last); the model may queue that step's forward early (head).
     """
 
     tokens: list[int] = field(default_factory=list)
