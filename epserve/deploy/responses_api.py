@@ -296,7 +296,8 @@ def add_responses_routes(app: FastAPI, serving: Any, gate: Gate,
     async def create_response(request: Request) -> Response:
         return respond(await responses.create(await gate.json(request)))
 
-    @app.api_route(PREFIX + "/{response_id}", methods=["GET", "DELETE"])
+    @app.get(PREFIX + "/{response_id}")
+    @app.delete(PREFIX + "/{response_id}")
     async def stored_response(response_id: str) -> Response:
         raise ApiError(404, f"No response with id {response_id!r}: this server does not "
                        f"store responses", param="response_id", code="not_found")
