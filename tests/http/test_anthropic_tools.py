@@ -97,8 +97,11 @@ def test_streamed_tool_use_blocks_add_up_to_the_whole_message(scripted_server, c
         pieces = {i: [e.delta.partial_json for e in events if e.type == "content_block_delta"
                       and e.index == i] for i in uses}
         assert [json.loads("".join(p)) for p in pieces.values()] == [w[2] for w in want[1:]]
-        if messages is ASK:  # its arguments came over two tokens: two pieces
-            assert pieces[max(uses)] == ['{"city": ', '"Paris", "unit": "celsius"}']
+        if messages is ASK:  # the model's own text (two tokens: one or two pieces, as a
+            # reader behind the engine gets them; tests/cpu cuts it at every size)
+            assert "".join(pieces[max(uses)]) == WEATHER_ARGS
+            assert set(pieces[max(uses)]) <= {'{"city": ', '"Paris", "unit": "celsius"}',
+                                              WEATHER_ARGS}
 
 
 def test_disable_parallel_tool_use_keeps_the_first_call(scripted_server, claude):
