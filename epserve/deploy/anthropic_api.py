@@ -36,6 +36,7 @@ from epserve.deploy.anthropic_blocks import to_anthropic_id
 from epserve.deploy.anthropic_models import CountTokensRequest, MessagesRequest, parse
 from epserve.deploy.errors import ApiError, bad_request
 from epserve.deploy.gate import Gate, app_path
+from epserve.deploy.stream import chat_chunks
 
 log = logging.getLogger(__name__)
 
@@ -195,12 +196,8 @@ async def message_events(chunks: AsyncIterator[str]) -> AsyncIterator[str]:
     """The chat stream (``data:`` chunks with usage in each, then ``[DONE]``) as Anthropic's
     events: the same content blocks as ``message_body`` of the whole answer."""
     blocks, started, last_usage, finish = _Blocks(), False, None, (None, None)
-    async with contextlib.aclosing(chunks):  # type: ignore[type-var]
-        async for sse in chunks:
-            data = sse.removeprefix("data: ").strip()
-            if data == "[DONE]":
-                break
-            chunk = json.loads(data)
+    async with contextlib.aclosing(chat_chunks(chunks)) as read:
+        async for chunk in read:
             if "error" in chunk:
                 err = chunk["error"]
                 kind = _STREAM_ERROR_TYPES.get(err.get("type"), "api_error")

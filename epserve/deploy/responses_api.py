@@ -31,6 +31,7 @@ from fastapi.responses import Response
 
 from epserve.deploy.errors import ApiError
 from epserve.deploy.gate import Gate
+from epserve.deploy.stream import chat_chunks
 from epserve.deploy.responses_models import ResponsesRequest, parse
 
 PREFIX = "/v1/responses"
@@ -213,12 +214,8 @@ async def response_events(shell: Shell, chunks: AsyncIterator[str],
     events: the same output items as ``response_body`` of the whole answer."""
     ev, last_usage, finish, thought = _Events(shell), None, None, ""
     started = with_calls = False
-    async with contextlib.aclosing(chunks):  # type: ignore[type-var]
-        async for sse in chunks:
-            data = sse.removeprefix("data: ").strip()
-            if data == "[DONE]":
-                break
-            chunk = json.loads(data)
+    async with contextlib.aclosing(chat_chunks(chunks)) as read:
+        async for chunk in read:
             if "error" in chunk:
                 err = _renamed(ApiError(400, **{k: chunk["error"].get(k) for k in (
                     "message", "param", "code", "type")}))

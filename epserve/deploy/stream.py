@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 from dataclasses import dataclass
 from typing import Any, AsyncIterator, Sequence
 
@@ -156,3 +157,15 @@ class DeltaTracker:
             self.sent_any[k] = True
             self.finished[k] = reason is not None
         return deltas
+
+
+async def chat_chunks(sse: AsyncIterator[str]) -> AsyncIterator[dict]:
+    """A chat completion's SSE stream (``data:`` lines, then ``[DONE]``) read back as chunk
+    dicts, for the APIs shaped over it (``/v1/messages``, ``/v1/responses``); the stream is
+    closed when the reader stops."""
+    async with contextlib.aclosing(sse):  # type: ignore[type-var]
+        async for line in sse:
+            data = line.removeprefix("data: ").strip()
+            if data == "[DONE]":
+                return
+            yield json.loads(data)
