@@ -18,9 +18,26 @@ from epserve.deploy.reasoning_parser import REASONING_PARSERS
 from epserve.deploy.tool_parser import TOOL_PARSERS
 
 
+class _Help(argparse.HelpFormatter):
+    """Every option's help ends with its default, where it has one and does not say it."""
+
+    def _get_help_string(self, action: argparse.Action) -> str:
+        text = action.help or ""
+        default = action.default
+        if ("default" in text or default is None or default is False
+                or default is argparse.SUPPRESS or not action.option_strings):
+            return text
+        return f"{text} (default: %(default)s)"
+
+
 class _Parser(argparse.ArgumentParser):
     """argparse with its errors as one line (the usage of ``serve`` alone is a screenful):
-    status 2 and ``epserve: error: ...`` on stderr, pointing at ``--help``."""
+    status 2 and ``epserve: error: ...`` on stderr, pointing at ``--help``; help texts end
+    with their defaults."""
+
+    def __init__(self, *args, **kwargs):
+        kwargs.setdefault("formatter_class", _Help)
+        super().__init__(*args, **kwargs)
 
     def error(self, message: str):  # type: ignore[override]
         self.exit(2, f"epserve: error: {message} (see '{self.prog} --help')\n")
@@ -43,30 +60,33 @@ def _parser() -> argparse.ArgumentParser:
                     help="print the version (as vLLM's --version, the bare number) and exit")
     sub = ap.add_subparsers(dest="command", required=True)
     g = sub.add_parser("generate", help="stream the continuation of one prompt")
-    g.add_argument("prompt")
+    g.add_argument("prompt", help="the text to continue")
     add_engine_flags(g)
-    g.add_argument("--max-tokens", type=int, default=64)
-    g.add_argument("--temperature", type=float, default=0.0)
-    g.add_argument("--top-p", type=float, default=1.0)
-    g.add_argument("--top-k", type=int, default=0)
-    g.add_argument("--min-p", type=float, default=0.0)
+    g.add_argument("--max-tokens", type=int, default=64, help="most tokens to generate")
+    g.add_argument("--temperature", type=float, default=0.0, help="0: greedy")
+    g.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling mass (1: off)")
+    g.add_argument("--top-k", type=int, default=0, help="keep the k likeliest tokens (0: off)")
+    g.add_argument("--min-p", type=float, default=0.0,
+                   help="drop tokens below this fraction of the likeliest one's probability")
     g.add_argument("--sample-seed", type=int, default=None, help="per-request sampling seed")
     g.add_argument("--stop", action="append", default=None, help="stop string (repeatable)")
-    g.add_argument("--ignore-eos", action="store_true")
+    g.add_argument("--ignore-eos", action="store_true",
+                   help="go on past the end-of-sequence token")
     g.add_argument("--chat", action="store_true",
                    help="wrap the prompt as a user message in the chat template")
     s = sub.add_parser("serve", help="serve the OpenAI-compatible HTTP API")
     add_engine_flags(s)
     add_limit_flags(s)
-    s.add_argument("--host", default="127.0.0.1")
-    s.add_argument("--port", type=_port, default=8000)
+    s.add_argument("--host", default="127.0.0.1",
+                   help="address to listen on (0.0.0.0: every interface)")
+    s.add_argument("--port", type=_port, default=8000, help="HTTP port")
     s.add_argument("--api-key", default=None,
                    help="require 'Authorization: Bearer KEY' on every path but /health and "
                         "/ping (default: $EPSERVE_API_KEY; unset: no auth)")
     s.add_argument("--served-model-name", default=None,
                    help="the model name clients send (default: --model, or epserve-demo)")
     s.add_argument("--max-body-bytes", type=int, default=1 << 20,
-                   help="largest request body accepted; larger ones get 413")
+                   help="largest request body accepted, in bytes; larger ones get 413")
     s.add_argument("--api-server-count", type=int, default=1,
                    help="ingress replicas (tokenization, templates, SSE) in front of the one "
                         "engine; as vLLM's option of the same name")

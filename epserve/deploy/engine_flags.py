@@ -17,12 +17,21 @@ def add_engine_flags(p: argparse.ArgumentParser) -> None:
                         "(default: the built-in demo model, random weights)")
     p.add_argument("--tokenizer", default=None,
                    help="tokenizer folder (default: the model folder's own tokenizer)")
-    p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
+    p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"],
+                   help="weights and activations (auto: the checkpoint's dtype; float32 on CPU "
+                        "for a 16-bit checkpoint)")
     p.add_argument("--device", default="auto", help="auto (CUDA when present), cpu, cuda:N")
-    p.add_argument("--max-model-len", type=int, default=None)
-    p.add_argument("--max-num-seqs", type=int, default=256)
-    p.add_argument("--max-num-batched-tokens", type=int, default=2048)
-    p.add_argument("--num-kv-blocks", type=int, default=None)
+    p.add_argument("--max-model-len", type=int, default=None,
+                   help="longest prompt plus output, in tokens (default: the model's "
+                        "max_position_embeddings)")
+    p.add_argument("--max-num-seqs", type=int, default=256,
+                   help="most sequences in one step (running at once)")
+    p.add_argument("--max-num-batched-tokens", type=int, default=2048,
+                   help="most tokens one step computes (decode rows plus prefill chunks); "
+                        "8192 keeps a large batch's prefill fast on a GPU")
+    p.add_argument("--num-kv-blocks", type=int, default=None,
+                   help="KV cache blocks per rank (default: from --gpu-memory-utilization on "
+                        "CUDA, 1 GiB on CPU)")
     p.add_argument("--gpu-memory-utilization", type=float, default=0.9,
                    help="fraction of GPU memory for weights + KV cache (CUDA)")
     p.add_argument("--enforce-eager", action="store_true",
@@ -30,9 +39,12 @@ def add_engine_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--no-decode-lookahead", action="store_true",
                    help="do not queue a decode step's likely successor on the GPU before its "
                         "tokens are read back (default: on with CUDA graphs)")
-    p.add_argument("--block-size", type=int, default=16)
-    p.add_argument("--no-prefix-caching", action="store_true")
-    p.add_argument("--load-format", default="auto", choices=["auto", "safetensors", "dummy"])
+    p.add_argument("--block-size", type=int, default=16, help="tokens per KV cache block")
+    p.add_argument("--no-prefix-caching", action="store_true",
+                   help="do not reuse the KV of a prompt prefix an earlier request computed "
+                        "(default: reuse it)")
+    p.add_argument("--load-format", default="auto", choices=["auto", "safetensors", "dummy"],
+                   help="dummy: random weights of the checkpoint's shape (benchmarks)")
     p.add_argument("--ep-size", type=int, default=1, help="expert-parallel ranks")
     # checked by EngineArgs (one clear line, exit 2), as every engine option's value is
     p.add_argument("--placement-strategy", default="STRICT_PACK",
@@ -41,7 +53,8 @@ def add_engine_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--ep-timeout-s", type=float, default=120.0,
                    help="seconds an EP collective may take before the group counts as broken "
                         "(an idle server keeps its ranks' channel open at a quarter of it)")
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--seed", type=int, default=0,
+                   help="the engine's seed (a request without its own seed samples from it)")
 
 
 def add_limit_flags(p: argparse.ArgumentParser) -> None:
