@@ -17,6 +17,7 @@ from typing import Any, Literal, Union
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from epserve.deploy.errors import bad_request, from_value_error
+from epserve.deploy.structured_output import ResponseFormat, StructuredOutputs, structured_fields
 from epserve.head.limits import RequestLimits
 from epserve.head.sampling_params import SamplingParams
 
@@ -69,6 +70,7 @@ class _SamplingRequest(BaseModel):
     frequency_penalty: float | None = None
     repetition_penalty: float | None = None
     logit_bias: dict[str, float] | None = None
+    structured_outputs: StructuredOutputs | None = None  # vLLM's field (deploy.structured_output)
 
     def check_common(self) -> None:
         if self.stream_options is not None and not self.stream:
@@ -246,11 +248,6 @@ class NamedToolChoice(BaseModel):
 ToolChoice = Union[Literal["none", "auto", "required"], NamedToolChoice, None]
 
 
-class ResponseFormat(BaseModel):
-    model_config = _STRICT
-    type: str
-
-
 class ChatCompletionRequest(_SamplingRequest):
     """POST /v1/chat/completions."""
 
@@ -270,9 +267,6 @@ class ChatCompletionRequest(_SamplingRequest):
         self.check_common()
         if not self.messages:
             raise bad_request("messages must not be empty", param="messages")
-        if self.response_format is not None and self.response_format.type != "text":
-            raise bad_request("response_format other than text is not supported",
-                              param="response_format")
         if self.top_logprobs and not self.logprobs:
             raise bad_request("top_logprobs needs logprobs set to true", param="top_logprobs")
         if self.continue_final_message and self.add_generation_prompt:
@@ -334,6 +328,9 @@ def sampling_kwargs(req: _SamplingRequest, *, max_tokens: int | None, logprobs: 
             kw[name] = v
     if isinstance(kw["stop"], list):
         kw["stop"] = list(kw["stop"])
+    structured = structured_fields(req)  # a 400 naming the field when invalid
+    if structured is not None:
+        kw["structured_outputs"] = structured
     try:
         limits.check(SamplingParams(**kw))
     except ValueError as exc:

@@ -18,6 +18,7 @@ from dataclasses import dataclass, field
 from typing import Any, Sequence as Seq
 
 from epserve.head.detokenizer import IncrementalDetokenizer
+from epserve.head.grammar import GrammarBook
 from epserve.head.limits import RequestLimits
 from epserve.head.output_builder import build_output
 from epserve.head.request_timing import EngineTimings
@@ -79,6 +80,7 @@ class Engine:
         self.cfg = dataclasses.replace(cfg, eos_token_ids=frozenset(
             t for t in cfg.eos_token_ids if 0 <= t < cfg.vocab_size))
         self.scheduler = Scheduler(model, cfg.scheduler)
+        self.grammars = GrammarBook(tokenizer, cfg.vocab_size, self.cfg.eos_token_ids)
         self.requests: dict[str, Request] = {}
         self.stats = EngineStats()
         self.timings = EngineTimings()
@@ -100,6 +102,8 @@ class Engine:
         req = Request(request_id, prompt, ids, params, max_tokens, next(self._arrivals))
         req.arrived_s = time.monotonic()
         automaton = StopAutomaton(params.stop)  # once per request: its n completions share it
+        so = params.structured_outputs
+        compiled = self.grammars.compile(so) if so is not None else None
         for i in range(params.n):
             seed = (_mix_seed(params.seed, i) if params.seed is not None
                     else self._rng.getrandbits(63))
@@ -110,7 +114,13 @@ class Engine:
                 include_stop_str_in_output=params.include_stop_str_in_output,
                 automaton=automaton)
             detok = IncrementalDetokenizer(self.tokenizer, ids, params.skip_special_tokens)
-            req.seqs.append(Sequence(req, i, seed, stops, detok))
+            seq = Sequence(req, i, seed, stops, detok)
+            if compiled is not None:
+                seq.grammar = self.grammars.matcher(compiled)
+                if not seq.grammar.fill(stops.banned_ids(0)):
+                    raise ValueError(f"SamplingParams.structured_outputs.{so.kind}: no token of "
+                                     f"this model's vocabulary can start the output")
+            req.seqs.append(seq)
         self.requests[request_id] = req
         for seq in req.seqs:
             self.scheduler.add(seq)
@@ -135,6 +145,8 @@ class Engine:
         bad = token_ids_problem(params.stop_token_ids or (), self.cfg.vocab_size)
         if bad is not None:
             raise ValueError(f"SamplingParams.stop_token_ids: {bad}")
+        if params.structured_outputs is not None:  # compiled here, off the engine thread
+            self.grammars.compile(params.structured_outputs)
         return ids
 
     def abort_request(self, request_id: str) -> None:
@@ -246,6 +258,11 @@ class Engine:
     def _append(self, seq: Sequence, tok: SampledToken, touched: dict[str, Request]) -> None:
         if seq.finished:
             return
+        g = seq.grammar
+        if g is not None and not g.accept(tok.token_id):  # the mask allowed it: never expected
+            self._fail_seq(seq, f"structured output: the grammar refused token {tok.token_id}",
+                           touched)
+            return
         seq.output_ids.append(tok.token_id)
         seq.sampled.append(tok)
         if seq.request.first_token_s is None:
@@ -262,7 +279,13 @@ class Engine:
             text = text[:found[0]]
         elif reason == "stop" and not seq.request.params.include_stop_str_in_output:
             text = text[:before]  # a stop token's own text is not part of the output
+        if reason is None and g is not None and g.terminated:  # its stop token, ignore_eos
+            reason, text = "stop", text[:before]
         seq.text = text
+        if reason is None and g is not None and not g.fill(seq.stops.banned_ids(n)):
+            self._fail_seq(seq, "structured output: the grammar allows no token this request "
+                           "may sample next", touched)
+            return
         if reason is None and seq.num_tokens >= self.cfg.max_model_len:
             reason = "length"
         if reason is not None:

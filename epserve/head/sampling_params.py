@@ -12,6 +12,7 @@ import math
 from dataclasses import dataclass
 from typing import Any, Sequence
 
+from epserve.head.structured_params import StructuredOutputsParams, as_structured
 from epserve.models.sampling_rules import MAX_LOGPROBS, value_problem
 from epserve.models.traits import RowSampling
 
@@ -92,6 +93,8 @@ class SamplingParams:
     context limit (the engine resolves it). ``min_tokens``: EOS and ``stop_token_ids`` are
     banned until that many tokens exist. ``logprobs`` / ``prompt_logprobs``: alternatives per
     token (0 returns only the chosen/prompt token's logprob), at most ``MAX_LOGPROBS``.
+    ``structured_outputs``: what the output must match (``StructuredOutputsParams``, or its
+    fields as a dict); it ends with finish reason "stop" when the grammar is complete.
     """
 
     n: int = 1
@@ -109,6 +112,7 @@ class SamplingParams:
     prompt_logprobs: int | None = None
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
+    structured_outputs: StructuredOutputsParams | None = None
 
     def __post_init__(self) -> None:
         _check_int("n", self.n, 1)
@@ -137,6 +141,7 @@ class SamplingParams:
         # Frozen: normalised values go in through object.__setattr__, once, here.
         object.__setattr__(self, "stop", _normalise_stop(self.stop))
         object.__setattr__(self, "stop_token_ids", _normalise_stop_token_ids(self.stop_token_ids))
+        object.__setattr__(self, "structured_outputs", as_structured(self.structured_outputs))
 
     @property
     def is_greedy(self) -> bool:

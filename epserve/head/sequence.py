@@ -28,7 +28,8 @@ class SeqStatus(enum.Enum):
 class Sequence:
     """One of a request's ``n`` samples.
 
-    Set by the engine at creation: ``request``, ``index``, ``seed``, ``stops``, ``detok``.
+    Set by the engine at creation: ``request``, ``index``, ``seed``, ``stops``, ``detok``,
+    ``grammar`` (a structured output's matcher, advanced by the engine per token).
     Set by the scheduler: ``status``, ``state``, ``admitted_at``. Set by the engine per step:
     ``output_ids``, ``sampled``, ``finish_reason``, ``stop_reason``. Set by
     ``head.output_stream`` only: ``sent_tokens``, ``sent_chars``, ``sent_finish`` (what the
@@ -53,6 +54,7 @@ class Sequence:
     sent_tokens: int = 0
     sent_chars: int = 0
     sent_finish: bool = False
+    grammar: Any = None  # head.grammar.SeqGrammar of a constrained sequence
 
     @property
     def prompt_ids(self) -> list[int]:
@@ -84,6 +86,8 @@ class Sequence:
         elif self.request.params.min_tokens >= n:  # the bans may lift with this token
             state.sampling = self.row_sampling()
         state.output_index = n
+        if self.grammar is not None:
+            state.token_mask = self.grammar.mask  # refilled in place after each token
         state.lookahead = n + 1 < self.request.max_tokens  # else the next one is the last
 
     @property

@@ -133,6 +133,8 @@ class SequenceState:
     - ``adapter_slot`` / ``adapter_id``: LoRA selection (no adapters yet: -1 / 0).
     - ``lookahead``: the row's next decode step is likely (its next token is not known to be
       its last); the model may queue that step's forward early (head).
+    - ``token_mask``: a constrained row's allowed next tokens, ``ceil(vocab / 32)`` packed
+      int32 words (numpy, refilled in place after each token), None when unconstrained (head).
     """
 
     tokens: list[int] = field(default_factory=list)
@@ -157,6 +159,7 @@ class SequenceState:
     length_penalty: float = 1.0
     early_stopping: bool = False
     lookahead: bool = True
+    token_mask: Any = None
 
 
 @dataclass(slots=True)

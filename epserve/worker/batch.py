@@ -29,7 +29,9 @@ class RankRows:
     position (the KV length before the step) and fed token; ``prefill``: the chunks;
     ``sampling`` / ``output_index``: one per sampled row (every decode row, then each prefill
     row with ``sample``); ``prompt_logprobs``: per prefill row, the top-k to score its prompt
-    positions with and each position's next-token target (-1: none), or None.
+    positions with and each position's next-token target (-1: none), or None;
+    ``mask_rows`` / ``mask_words``: the constrained sampled rows (indices into ``sampling``,
+    [M] int64) and their token masks ([M, ceil(V / 32)] int32), None when no row has one.
     """
 
     decode_slots: np.ndarray
@@ -39,6 +41,8 @@ class RankRows:
     sampling: list[RowSampling]
     output_index: list[int]
     prompt_logprobs: Sequence[tuple[int, tuple[int, ...]] | None] = ()
+    mask_rows: np.ndarray | None = None
+    mask_words: np.ndarray | None = None
 
     @property
     def num_decode(self) -> int:

@@ -139,9 +139,13 @@ class EpMirror:
         for n in cmd.new_seqs:
             lens[n.rank, n.slot] = n.seq_len
         keys = self._check_decode(cmd, live, blocks, lens, fail)
-        if not cmd.prefill:
-            return
-        seen = set(keys.tolist())
+        if cmd.prefill:
+            self._check_prefill(cmd, live, blocks, lens, set(keys.tolist()), fail)
+        if cmd.masks:
+            self._check_masks(cmd, live, keys, fail)
+
+    def _check_prefill(self, cmd: StepCommand, live: np.ndarray, blocks: np.ndarray,
+                       lens: np.ndarray, seen: set[int], fail: "_Failer") -> None:
         bs, vocab = self.block_size, self.vocab_size
         for p in cmd.prefill:
             key = self._live(p.rank, p.slot, live, fail, "prefill row")
@@ -157,6 +161,30 @@ class EpMirror:
                      f"{p.start + len(p.tokens) - 1}", key)
             if any(not 0 <= t < vocab for t in p.tokens) or not -1 <= p.next_token < vocab:
                 fail(f"prefill row {key}: token outside the vocab", key)
+
+    def _check_masks(self, cmd: StepCommand, live: np.ndarray, keys: np.ndarray,
+                     fail: "_Failer") -> None:
+        """Each token mask: a live sequence that samples in this step (a decode row or a
+        prefill row with ``sample``), at most one mask each, ``ceil(vocab / 32)`` words, and
+        at least one vocabulary token allowed (else the row could sample nothing)."""
+        sampled = set(keys.tolist())
+        sampled.update(p.rank * self.max_slots + p.slot for p in cmd.prefill if p.sample)
+        nwords, seen = -(-self.vocab_size // 32), set()
+        tail = self.vocab_size - (nwords - 1) * 32  # tokens in the last word
+        tail_bits = (1 << tail) - 1
+        for m in cmd.masks:
+            key = self._live(m.rank, m.slot, live, fail, "token mask")
+            flat = m.rank * self.max_slots + m.slot
+            if flat not in sampled:
+                fail(f"token mask for {key}: the sequence samples no token in this step", key)
+            if flat in seen:
+                fail(f"token mask for {key}: two masks", key)
+            seen.add(flat)
+            w = np.asarray(m.words)
+            if w.ndim != 1 or len(w) != nwords:
+                fail(f"token mask for {key}: {len(w)} words, the vocabulary needs {nwords}", key)
+            if not (w[:-1].any() or int(w[-1]) & tail_bits):
+                fail(f"token mask for {key}: no token of the vocabulary is allowed", key)
 
     def _check_decode(self, cmd: StepCommand, live: np.ndarray, blocks: np.ndarray,
                       lens: np.ndarray, fail: "_Failer") -> np.ndarray:

@@ -13,11 +13,13 @@ Runner's block tables; this module keeps only their sampling and last sampled to
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 from typing import Any
 
 import numpy as np
 
+from epserve.kernels.token_mask import mask_words
 from epserve.models.traits import EpCommandFailed, RowSampling
 from epserve.worker.batch import RankRows, StepInputs
 from epserve.worker.ep_mirror import EpMirror
@@ -53,7 +55,8 @@ class RankExecutor:
                                lookahead=runner.lookahead is not None)
         # what a correct leader never exceeds: a frame beyond it is refused before any row
         # is built (bounds the work a hostile or corrupt frame can cause)
-        self.limits = WireLimits(world_size, max_slots, runner.tables.max_blocks_per_seq)
+        self.limits = WireLimits(world_size, max_slots, runner.tables.max_blocks_per_seq,
+                                 mask_words=mask_words(runner.model_config.vocab_size))
         self.sampling: list[RowSampling | None] = [None] * max_slots
         self.last_token = np.full(max_slots, -1, dtype=np.int64)
         self.failures: list[EpCommandFailed] = []
@@ -135,8 +138,22 @@ class RankExecutor:
             if p.sample:
                 sampling.append(samp[p.slot])
                 output_index.append(p.output_index)
-        return RankRows(slot, pos, ids, prefill, sampling, output_index,
+        rows = RankRows(slot, pos, ids, prefill, sampling, output_index,
                         [self._prompt_logprobs(p) for p in prefill])
+        return self._with_masks(rows, cmd) if cmd.masks else rows
+
+    def _with_masks(self, rows: RankRows, cmd: StepCommand) -> RankRows:
+        """``rows`` with this rank's token masks, each at its row's place among the sampled
+        rows (decode rows, then the sampled prefill rows)."""
+        masks = [m for m in cmd.masks if m.rank == self.rank]
+        if not masks:
+            return rows
+        place = {s: i for i, s in enumerate(rows.decode_slots.tolist())}
+        nd = len(place)
+        place.update((p.slot, nd + k) for k, p in enumerate(p for p in rows.prefill if p.sample))
+        return dataclasses.replace(
+            rows, mask_rows=np.array([place[m.slot] for m in masks], dtype=np.int64),
+            mask_words=np.stack([np.asarray(m.words, dtype=np.int32) for m in masks]))
 
     def _prompt_logprobs(self, p: PrefillRow) -> tuple[int, tuple[int, ...]] | None:
         """(top-k, each position's next-token target or -1) for a collecting row, else None."""

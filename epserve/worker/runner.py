@@ -18,6 +18,7 @@ import numpy as np
 import torch
 
 from epserve.kernels.attention import AttentionMetadata
+from epserve.kernels.token_mask import apply_token_masks
 from epserve.models.loader import load_model
 from epserve.models.parallel import ParallelInfo
 from epserve.models.traits import PromptTokenLogprob, SampledToken
@@ -148,6 +149,8 @@ class Runner:
         if not rows.sampling:
             return RankOutput([], plps, None)
         logits = self.model.compute_logits(hidden)  # [R, V] float32
+        if rows.mask_rows is not None:  # constrained rows: only their allowed tokens
+            apply_token_masks(logits, rows.mask_rows, rows.mask_words)
         pending = launch_sample(logits, rows.sampling, rows.output_index)
         launched = (ahead and self.lookahead is not None and nblocks is not None
                     and self.lookahead.launch(rows, nblocks, pending))

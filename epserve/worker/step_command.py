@@ -13,7 +13,9 @@ slots, block ranges, sampling values) are not here: they need the ranks' state
 
 After a sequence's first appearance (``NewSeq``) only what changed travels: chunk tokens,
 decode feeds (a token id, or ``FEED_DEVICE``: the token this rank sampled for the slot last
-step), new block-table entries, sampling updates, releases.
+step), new block-table entries, sampling updates, releases. A row whose output is constrained
+(structured output) carries its allowed tokens every step it samples (``MaskRow``: the packed
+bitmask, ``ceil(vocab / 32)`` int32 words, bit ``t % 32`` of word ``t // 32`` for token ``t``).
 """
 
 from __future__ import annotations
@@ -31,7 +33,7 @@ from epserve.worker.wire import (
     pack_frame, read_fields,
 )
 
-PROTOCOL_VERSION = 2  # 2: row tables of fixed-width records instead of nested msgpack arrays
+PROTOCOL_VERSION = 3  # 2: row tables of fixed-width records; 3: token-mask rows
 MAX_FRAME_BYTES = 64 * 2**20
 FEED_DEVICE = -1  # a decode row's token is the one its rank sampled for the slot last step
 
@@ -46,13 +48,15 @@ KIND_DECODE_AHEAD = 2
 class WireLimits:
     """Sizes a correct leader never exceeds, known to every rank: ``world_size * max_slots``
     rows of any one kind (and decode plus prefill rows together), ``max_blocks_per_seq`` block
-    ids per update and, when given, ``max_step_tokens`` prefill tokens per command. A frame
-    beyond them is a ``ProtocolError`` before any row is built."""
+    ids per update, when given ``max_step_tokens`` prefill tokens per command and
+    ``mask_words`` words per token mask (``ceil(vocab / 32)``). A frame beyond them is a
+    ``ProtocolError`` before any row is built."""
 
     world_size: int
     max_slots: int
     max_blocks_per_seq: int
     max_step_tokens: int | None = None
+    mask_words: int | None = None
 
     @property
     def max_rows(self) -> int:
@@ -181,11 +185,26 @@ class PrefillRow:
     next_token: int
 
 
+@dataclass(frozen=True, slots=True, eq=False)
+class MaskRow:
+    """The tokens ``slot``'s row may sample this step: ``words`` [ceil(V / 32)] int32 (a
+    numpy array; the leader's may be the head's own buffer, read before its next fill)."""
+
+    rank: int
+    slot: int
+    words: "np.ndarray"
+
+    def __eq__(self, other: object) -> bool:
+        return (isinstance(other, MaskRow) and (self.rank, self.slot) == (other.rank, other.slot)
+                and np.array_equal(self.words, other.words))
+
+
 @dataclass(frozen=True, slots=True)
 class StepCommand:
     """Everything every rank needs for one step, in apply order: releases, new sequences,
-    sampling updates, block updates, then the rows (decode rows first, then prefill). Row
-    fields are tuples when built by the leader, ``wire.Table`` when decoded (equal either way)."""
+    sampling updates, block updates, then the rows (decode rows first, then prefill), then
+    the token masks of the constrained sampled rows. Row fields are tuples when built by the
+    leader, ``wire.Table`` when decoded (equal either way)."""
 
     step_id: int
     kind: int = KIND_STEP
@@ -195,6 +214,7 @@ class StepCommand:
     block_updates: Sequence[BlockUpdate] = ()
     decode: DecodeRows = field(default_factory=DecodeRows)
     prefill: Sequence[PrefillRow] = ()
+    masks: Sequence[MaskRow] = ()
 
     def __post_init__(self) -> None:
         if not isinstance(self.decode, DecodeRows):  # a tuple of DecodeRow is accepted too
@@ -242,9 +262,27 @@ PREFILL = ids_spec(
     lambda p: p.tokens,
     lambda v, ids: PrefillRow(v[0], v[1], v[2], ids, bool(v[3]), v[4], v[5]))
 
+
+
+def _mask_words(rows: list) -> np.ndarray:
+    """Every mask row's words, concatenated (numpy arrays, no Python ints)."""
+    try:
+        arrays = [np.asarray(w.array if isinstance(w, Ints) else w) for w in rows]
+    except (TypeError, ValueError) as exc:
+        raise ProtocolError(f"token_masks: {exc}") from None
+    if any(a.ndim != 1 or a.dtype.kind not in "iu" or a.dtype.itemsize > 4 for a in arrays):
+        raise ProtocolError("token_masks: words must be 1-D int32 arrays")
+    return np.concatenate(arrays).astype("<i4", copy=False)
+
+
+TOKEN_MASKS = TableSpec(
+    "token_masks", np.dtype([("rank", I64), ("slot", I64), ("n", I64)]),
+    lambda m: (m.rank, m.slot), lambda v, words: MaskRow(v[0], v[1], words), "ii",
+    np.dtype("<i4"), lambda m: m.words, _mask_words)
+
 # version, step_id, kind, releases, new_seqs (+ banned), sampling_updates (+ banned),
-# block_updates (+ block ids), decode rows, prefill (+ tokens)
-_LAYOUT = "iii" + "b" * 10
+# block_updates (+ block ids), decode rows, prefill (+ tokens), token masks (+ words)
+_LAYOUT = "iii" + "b" * 12
 
 
 # --------------------------------------------------------------------------- encode / decode
@@ -263,6 +301,7 @@ def encode(cmd: StepCommand) -> bytes:
         body.extend(b for b in encode_table(spec, rows) if b is not None)
     body.append(cmd.decode.to_bytes())
     body.extend(encode_table(PREFILL, cmd.prefill))
+    body.extend(encode_table(TOKEN_MASKS, cmd.masks))
     return pack_frame(body, MAX_FRAME_BYTES, "frame")
 
 
@@ -280,7 +319,9 @@ def decode(frame: bytes, limits: WireLimits | None = None) -> StepCommand:
             sampling_updates=decode_table(SAMPLING_UPDATES, f[6], f[7], rows),
             block_updates=decode_table(BLOCK_UPDATES, f[8], f[9], rows, blocks),
             decode=DecodeRows.from_bytes(f[10], rows),
-            prefill=decode_table(PREFILL, f[11], f[12], rows))
+            prefill=decode_table(PREFILL, f[11], f[12], rows),
+            masks=decode_table(TOKEN_MASKS, f[13], f[14], rows,
+                               None if limits is None else limits.mask_words))
     except ProtocolError:
         raise
     except Exception as exc:  # defensive: no other exception type may escape

@@ -30,7 +30,8 @@ from epserve.worker.runner import Runner
 from epserve.worker.runner_config import RunnerConfig
 from epserve.worker.shipment import RankView, Shipment
 from epserve.worker.step_command import (
-    KIND_DECODE_AHEAD, KIND_SHUTDOWN, KIND_STEP, PrefillRow, Release, StepCommand, encode,
+    KIND_DECODE_AHEAD, KIND_SHUTDOWN, KIND_STEP, MaskRow, PrefillRow, Release, StepCommand,
+    encode,
 )
 
 log = logging.getLogger(__name__)
@@ -250,7 +251,8 @@ class StepModel(ForwardForms, KvLifecycle):
         kind = KIND_DECODE_AHEAD if self._ahead(decode_seqs, prefill_slices) else KIND_STEP
         ship = self._shipment = Shipment(self.view)
         decode = ship.decode_rows(decode_tokens, decode_seqs)
-        prefill = []
+        prefill, masks = [], [MaskRow(s.rank, s.slot_idx, s.token_mask) for s in decode_seqs
+                              if s.token_mask is not None]
         for sl in prefill_slices:
             seq = sl.seq
             ship.sequence(seq)
@@ -259,11 +261,14 @@ class StepModel(ForwardForms, KvLifecycle):
             prefill.append(PrefillRow(seq.rank, seq.slot_idx, sl.chunk_start,
                                       tuple(sl.prompt_tokens[sl.chunk_start:end]),
                                       sl.is_last_chunk, seq.output_index, nxt))
+            if sl.is_last_chunk and seq.token_mask is not None:
+                masks.append(MaskRow(seq.rank, seq.slot_idx, seq.token_mask))
         return StepCommand(
             step_id=self.rank0.mirror.next_step, kind=kind,
             releases=tuple(Release(r, s) for r, s in sorted(self.view.pending_releases)),
             new_seqs=tuple(ship.new), sampling_updates=tuple(ship.sampling),
-            block_updates=tuple(ship.blocks), decode=decode, prefill=tuple(prefill))
+            block_updates=tuple(ship.blocks), decode=decode, prefill=tuple(prefill),
+            masks=tuple(masks))
 
     def _assemble(self, decode_tokens: Sequence[int], decode_seqs: Sequence[SequenceState],
                   prefill_slices: Sequence[PrefillSlice], results: list[RankResult],

@@ -60,6 +60,7 @@ BAD = [
     ("ignore_eos", 1), ("skip_special_tokens", None), ("include_stop_str_in_output", "yes"),
     ("logprobs", -1), ("logprobs", MAX_LOGPROBS + 1), ("logprobs", True), ("logprobs", 1.0),
     ("prompt_logprobs", -1), ("prompt_logprobs", MAX_LOGPROBS + 1), ("prompt_logprobs", False),
+    ("structured_outputs", 5), ("structured_outputs", "json"),
 ]
 
 

@@ -20,8 +20,9 @@ from hypothesis import HealthCheck, given, settings, strategies as st
 
 from epserve.models.traits import RowSampling
 from epserve.worker import step_command as P
-from epserve.worker.step_command import (BlockUpdate, DecodeRow, DecodeRows, Ints, NewSeq, PrefillRow,
-                                     ProtocolError, Release, SamplingUpdate, StepCommand)
+from epserve.worker.step_command import (BlockUpdate, DecodeRow, DecodeRows, Ints, MaskRow, NewSeq,
+                                     PrefillRow, ProtocolError, Release, SamplingUpdate,
+                                     StepCommand)
 from epserve.worker.wire import Table
 
 FAST = settings(deadline=None, suppress_health_check=list(HealthCheck), database=None)
@@ -58,6 +59,8 @@ step_commands = st.builds(
                     max_size=6).map(tuple),
     prefill=st.lists(st.builds(PrefillRow, i64s, i64s, i64s, ids, st.booleans(), i64s, i64s),
                      **small).map(tuple),
+    masks=st.lists(st.builds(MaskRow, i64s, i64s, ids.map(lambda t: np.array(t, np.int32))),
+                   **small).map(tuple),
 )
 
 # Any msgpack value: what a confused or corrupted sender could put on the wire.
@@ -97,7 +100,8 @@ def _random_command(rng: random.Random) -> StepCommand:
         block_updates=many(lambda: BlockUpdate(i(), i(), i(), many(i32, 5))),
         decode=many(lambda: DecodeRow(i32(), i32(), i32(), i32()), 6),
         prefill=many(lambda: PrefillRow(i(), i(), i(), many(i32, 5), rng.random() < 0.5, i(),
-                                        i())))
+                                        i())),
+        masks=many(lambda: MaskRow(i(), i(), np.array(many(i32, 5), np.int32))))
 
 
 SEED_COMMANDS = [_random_command(random.Random(n)) for n in range(64)]
@@ -107,6 +111,8 @@ seed_commands = st.sampled_from(SEED_COMMANDS)
 def _same(a, b) -> bool:
     """Structural equality where nan equals nan (nan != nan under ==) and a decoded ``Table``
     or ``Ints`` matches the tuple it was built from; every scalar keeps its exact type."""
+    if isinstance(a, MaskRow):  # its words are an array: compared as one
+        return a == b
     if is_dataclass(a):
         return type(a) is type(b) and all(_same(getattr(a, f.name), getattr(b, f.name))
                                           for f in fields(a))
@@ -130,7 +136,7 @@ def _decode_bounded(frame) -> StepCommand | None:
     assert time.perf_counter() - t0 < 1.0, f"decode of {len(frame)} bytes took too long"
     if out is not None:  # a frame that decodes has every row buildable, as consumers read them
         for rows in (out.releases, out.new_seqs, out.sampling_updates, out.block_updates,
-                     out.decode, out.prefill):
+                     out.decode, out.prefill, out.masks):
             assert all(is_dataclass(r) for r in rows)
         assert all(type(t) is int for p in out.prefill for t in p.tokens)
     return out
@@ -356,11 +362,11 @@ def _frame(*fields) -> bytes:
     b"\x9d\x02\x00\x00\xc6\xff\xff\xff\xff", b"\x9d\x02\x00\x00\xdd\xff\xff\xff\xff\x90",
     msgpack.packb({1: 2}), msgpack.packb({b"k": 2}), msgpack.packb([{(1,): 2}]),
     b"\xc7\x0c\xff" + b"\xff" * 12, b"\xc7\x05\xff" + bytes(5),  # malformed timestamp ext
-    msgpack.packb([P.PROTOCOL_VERSION + 1, 0, 0] + [b""] * 10, use_bin_type=True),  # next version
+    msgpack.packb([P.PROTOCOL_VERSION + 1, 0, 0] + [b""] * 12, use_bin_type=True),  # next version
     msgpack.packb([1, 0, 0, [], [], [], [], b"", []], use_bin_type=True),  # version 1's layout
-    _frame(*[b""] * 10) + b"\x00",  # trailing byte
-    _frame(*[b""] * 9), _frame(*[b""] * 11),  # a field missing, one too many
-    _frame(*[b""] * 9, ""), _frame(*[b""] * 9, 0), _frame(*[b""] * 9, None),
+    _frame(*[b""] * 12) + b"\x00",  # trailing byte
+    _frame(*[b""] * 11), _frame(*[b""] * 13),  # a field missing, one too many
+    _frame(*[b""] * 11, ""), _frame(*[b""] * 11, 0), _frame(*[b""] * 11, None),
     b"\xa3\xff\xfe\xfd", b"", b"\xc1", b"\x90", b"\x9d", b"\x9d\xc0",
 ])
 def test_known_hostile_frames(frame):

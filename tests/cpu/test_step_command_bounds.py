@@ -183,7 +183,8 @@ def test_mutated_big_frames_cost_at_most_4x(frame, rng):
 
 
 def _bins(**bins) -> bytes:
-    order = ["rel", "new", "new_ids", "upd", "upd_ids", "blk", "blk_ids", "dec", "pre", "pre_ids"]
+    order = ["rel", "new", "new_ids", "upd", "upd_ids", "blk", "blk_ids", "dec", "pre", "pre_ids",
+             "msk", "msk_ids"]
     return msgpack.packb([V, 0, 0] + [bins.get(k, b"") for k in order], use_bin_type=True)
 
 
@@ -203,11 +204,12 @@ def _recs(spec, n: int, count: int = 0) -> bytes:
     ("command", lambda n: _bins(pre=_recs(P.PREFILL, 1, n // 4), pre_ids=bytes(4 * (n // 4)))),
     ("command", lambda n: _bins(blk=_recs(P.BLOCK_UPDATES, n // 40, 1),
                                 blk_ids=bytes(4 * (n // 40)))),
+    ("command", lambda n: _bins(msk=_recs(P.TOKEN_MASKS, 1, n // 4), msk_ids=bytes(4 * (n // 4)))),
     ("result", lambda n: msgpack.packb([V, 0, 0, _recs(R.SAMPLED, n // 48, 1),
                                         bytes(16 * (n // 48)), b"", b""])),
     ("result", lambda n: msgpack.packb([V, 0, 0, b"", b"", _recs(R.PROMPT, n // 48, 1),
                                         bytes(16 * (n // 48))])),
-], ids=["decode", "releases", "new_seqs", "tokens", "blocks", "sampled", "prompt"])
+], ids=["decode", "releases", "new_seqs", "tokens", "blocks", "masks", "sampled", "prompt"])
 def test_big_well_formed_frames_cost_at_most_4x(which, make):
     """Frames the layout accepts (millions of rows, ids or alternatives) decode within bounds:
     their rows stay records until read."""

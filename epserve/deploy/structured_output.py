@@ -1,0 +1,91 @@
+"""Structured output at the HTTP edge: ``response_format`` (chat) and vLLM's
+``structured_outputs`` (chat and completions) as one ``StructuredOutputsParams``.
+
+Invariants: what a request asks is checked here, before anything is queued, by the one
+definition of a valid constraint (``head.structured_params``: xgrammar parses it); an invalid
+schema, regex or grammar is a 400 whose ``param`` is the field the client used
+(``response_format`` or ``structured_outputs``) and whose message says what is wrong; both
+fields at once, or a ``response_format`` type this server does not know, is a 400 too.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Literal, Union
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from epserve.deploy.errors import bad_request
+from epserve.head.structured_params import StructuredOutputsParams
+
+_STRICT = ConfigDict(strict=True, extra="forbid")
+
+
+class JsonSchemaFormat(BaseModel):
+    """``response_format.json_schema``: OpenAI's name, description, schema and strict."""
+
+    model_config = ConfigDict(strict=True, extra="forbid", populate_by_name=True)
+    name: str = Field(..., pattern=r"^[A-Za-z0-9_-]{1,64}$")
+    description: str | None = None
+    schema_: dict[str, Any] | None = Field(None, alias="schema")
+    strict: bool | None = None
+
+
+class ResponseFormat(BaseModel):
+    model_config = _STRICT
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaFormat | None = None
+
+
+class StructuredOutputs(BaseModel):
+    """vLLM's ``structured_outputs`` request field (``StructuredOutputsParams``'s fields)."""
+
+    model_config = _STRICT
+    json_: Union[dict[str, Any], str, None] = Field(None, alias="json")
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None
+    json_object: bool | None = None
+    disable_fallback: bool = False
+    disable_any_whitespace: bool = False
+    disable_additional_properties: bool = False
+    whitespace_pattern: str | None = None
+    structural_tag: str | None = None
+
+    def fields(self) -> dict[str, Any]:
+        return {k: v for k, v in self.model_dump(by_alias=True).items()
+                if v is not None and v is not False}
+
+
+def structured_fields(req: Any) -> dict[str, Any] | None:
+    """The request's constraint as ``StructuredOutputsParams`` fields (how they travel to
+    the engine), None when it has none; a 400 naming the field when it is invalid."""
+    fmt: ResponseFormat | None = getattr(req, "response_format", None)
+    so: StructuredOutputs | None = getattr(req, "structured_outputs", None)
+    if fmt is not None and fmt.type != "text":
+        if so is not None:
+            raise bad_request("send response_format or structured_outputs, not both",
+                              param="response_format")
+        if fmt.type == "json_object":
+            if fmt.json_schema is not None:
+                raise bad_request("response_format.json_schema is for type json_schema",
+                                  param="response_format")
+            return _checked({"json_object": True}, "response_format")
+        if fmt.json_schema is None or fmt.json_schema.schema_ is None:
+            raise bad_request("response_format.json_schema.schema is required for type "
+                              "json_schema", param="response_format")
+        return _checked({"json": fmt.json_schema.schema_}, "response_format")
+    if fmt is not None and fmt.json_schema is not None:
+        raise bad_request("response_format.json_schema is for type json_schema",
+                          param="response_format")
+    return None if so is None else _checked(so.fields(), "structured_outputs")
+
+
+def _checked(fields: dict[str, Any], param: str) -> dict[str, Any]:
+    try:
+        StructuredOutputsParams(**fields)
+    except ValueError as exc:
+        msg = str(exc).replace("SamplingParams.structured_outputs", param)
+        if param == "response_format":
+            msg = msg.replace("response_format.json ", "response_format.json_schema.schema ")
+        raise bad_request(msg, param=param) from None
+    return fields
