@@ -10,14 +10,16 @@ fields at once, or a ``response_format`` type this server does not know, is a 40
 
 from __future__ import annotations
 
-from typing import Any, Literal, Union
+from dataclasses import fields
+from typing import Any, Literal, get_type_hints
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, create_model
 
 from epserve.deploy.errors import bad_request
 from epserve.head.structured_params import StructuredOutputsParams
 
 _STRICT = ConfigDict(strict=True, extra="forbid")
+_HINTS = get_type_hints(StructuredOutputsParams)
 
 
 class JsonSchemaFormat(BaseModel):
@@ -36,31 +38,24 @@ class ResponseFormat(BaseModel):
     json_schema: JsonSchemaFormat | None = None
 
 
-class StructuredOutputs(BaseModel):
-    """vLLM's ``structured_outputs`` request field (``StructuredOutputsParams``'s fields)."""
+# vLLM's ``structured_outputs`` request field: ``StructuredOutputsParams``'s own fields (``json``
+# under another attribute name: a pydantic model has a ``json`` method)
+StructuredOutputs = create_model(
+    "StructuredOutputs", __config__=_STRICT,
+    **{(f.name + "_" if f.name == "json" else f.name): (
+        _HINTS[f.name], Field(f.default, alias=f.name)) for f in fields(StructuredOutputsParams)})
 
-    model_config = _STRICT
-    json_: Union[dict[str, Any], str, None] = Field(None, alias="json")
-    regex: str | None = None
-    choice: list[str] | None = None
-    grammar: str | None = None
-    json_object: bool | None = None
-    disable_fallback: bool = False
-    disable_any_whitespace: bool = False
-    disable_additional_properties: bool = False
-    whitespace_pattern: str | None = None
-    structural_tag: str | None = None
 
-    def fields(self) -> dict[str, Any]:
-        return {k: v for k, v in self.model_dump(by_alias=True).items()
-                if v is not None and v is not False}
+def _set_fields(so: BaseModel) -> dict[str, Any]:
+    return {k: v for k, v in so.model_dump(by_alias=True).items()
+            if v is not None and v is not False}
 
 
 def structured_fields(req: Any) -> dict[str, Any] | None:
     """The request's constraint as ``StructuredOutputsParams`` fields (how they travel to
     the engine), None when it has none; a 400 naming the field when it is invalid."""
     fmt: ResponseFormat | None = getattr(req, "response_format", None)
-    so: StructuredOutputs | None = getattr(req, "structured_outputs", None)
+    so: BaseModel | None = getattr(req, "structured_outputs", None)
     if fmt is not None and fmt.type != "text":
         if so is not None:
             raise bad_request("send response_format or structured_outputs, not both",
@@ -77,7 +72,7 @@ def structured_fields(req: Any) -> dict[str, Any] | None:
     if fmt is not None and fmt.json_schema is not None:
         raise bad_request("response_format.json_schema is for type json_schema",
                           param="response_format")
-    return None if so is None else _checked(so.fields(), "structured_outputs")
+    return None if so is None else _checked(_set_fields(so), "structured_outputs")
 
 
 def _checked(fields: dict[str, Any], param: str) -> dict[str, Any]:
