@@ -8,8 +8,8 @@ models do. ``input`` is a string or a list of items, each kept in order: ``messa
 turn sent back (its reasoning, message and calls, consecutive items) becomes one assistant
 chat message. Anything the server cannot honour is a 400 naming it, never dropped: a
 non-text content part, an item of another type, stored state (``previous_response_id``,
-``store`` true, ``background``, ``conversation``), ``text.format`` other than text (needs
-structured output), ``reasoning.summary``, and ``reasoning.effort`` unless a reasoning parser
+``store`` true, ``background``, ``conversation``), an invalid ``text.format`` (json_object
+and json_schema become chat's ``response_format``: structured output), ``reasoning.summary``, and ``reasoning.effort`` unless a reasoning parser
 is on and the chat template reads ``reasoning_effort`` (the chat path checks that).
 """
 
@@ -21,6 +21,7 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from epserve.deploy.errors import ApiError, bad_request
 from epserve.deploy.openai_models import INT32, validate
+from epserve.deploy.structured_output import responses_text_format
 
 _STRICT = ConfigDict(strict=True, extra="forbid")
 _TEXT_ONLY = "this server serves text-only models; send input_text parts"
@@ -105,10 +106,8 @@ class ResponsesRequest(BaseModel):
         if self.background:
             raise bad_request("background: background responses need storage, which this "
                               "server does not have", param="background")
-        kind = (self.text.format or {}).get("type", "text") if self.text else "text"
-        if kind != "text":
-            raise bad_request(f"text.format: {kind!r} needs structured output, which this "
-                              f"server does not support yet; only 'text'", param="text")
+        if self.text is not None and self.text.format is not None:
+            responses_text_format(self.text.format)  # a 400 naming text.format when invalid
         r = self.reasoning
         if r is not None and (r.summary or r.generate_summary):
             raise bad_request("reasoning.summary: this server does not summarize reasoning; "
@@ -150,6 +149,10 @@ class ResponsesRequest(BaseModel):
                     "tool_choice": self.chat_tool_choice(),
                     "parallel_tool_calls": self.parallel_tool_calls}
         body.update({k: v for k, v in optional.items() if v is not None})
+        fmt = responses_text_format(self.text.format) \
+            if self.text is not None and self.text.format is not None else None
+        if fmt is not None:
+            body["response_format"] = fmt
         if self.reasoning is not None and self.reasoning.effort is not None:
             body["chat_template_kwargs"] = {"reasoning_effort": self.reasoning.effort}
         if self.stream:  # usage in every chunk: input tokens at the start, output at the end

@@ -13,7 +13,7 @@ from __future__ import annotations
 from dataclasses import fields
 from typing import Any, Literal, get_type_hints
 
-from pydantic import BaseModel, ConfigDict, Field, create_model
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, create_model
 
 from epserve.deploy.errors import bad_request
 from epserve.head.structured_params import StructuredOutputsParams
@@ -64,23 +64,53 @@ def structured_fields(req: Any) -> dict[str, Any] | None:
             if fmt.json_schema is not None:
                 raise bad_request("response_format.json_schema is for type json_schema",
                                   param="response_format")
-            return _checked({"json_object": True}, "response_format")
+            return _checked({"json_object": True}, "response_format", "response_format.json_schema")
         if fmt.json_schema is None or fmt.json_schema.schema_ is None:
             raise bad_request("response_format.json_schema.schema is required for type "
                               "json_schema", param="response_format")
-        return _checked({"json": fmt.json_schema.schema_}, "response_format")
+        return _checked({"json": fmt.json_schema.schema_}, "response_format",
+                        "response_format.json_schema")
     if fmt is not None and fmt.json_schema is not None:
         raise bad_request("response_format.json_schema is for type json_schema",
                           param="response_format")
-    return None if so is None else _checked(_set_fields(so), "structured_outputs")
+    return None if so is None else _checked(_set_fields(so), "structured_outputs",
+                                            "structured_outputs")
 
 
-def _checked(fields: dict[str, Any], param: str) -> dict[str, Any]:
+def _checked(fields: dict[str, Any], param: str, where: str) -> dict[str, Any]:
+    """``fields`` when they make a valid constraint, else a 400 (``param``) whose message
+    names the field as the client wrote it (``where``)."""
     try:
         StructuredOutputsParams(**fields)
     except ValueError as exc:
-        msg = str(exc).replace("SamplingParams.structured_outputs", param)
-        if param == "response_format":
-            msg = msg.replace("response_format.json ", "response_format.json_schema.schema ")
+        msg = str(exc).replace("SamplingParams.structured_outputs", where)
+        if where != "structured_outputs":  # the schema sits under another name there
+            msg = msg.replace(f"{where}.json ", f"{where}.schema ")
         raise bad_request(msg, param=param) from None
     return fields
+
+
+def responses_text_format(fmt: dict[str, Any]) -> dict[str, Any] | None:
+    """The Responses API's ``text.format`` (``json_schema`` flattened: name, schema, strict
+    beside the type) as chat's ``response_format``, None for text; a 400 (``param`` text)
+    when it is invalid."""
+    kind = fmt.get("type", "text")
+    if kind == "text" and len(fmt) <= 1:
+        return None
+    if kind == "json_schema":
+        chat = {"type": kind, "json_schema": {k: v for k, v in fmt.items() if k != "type"}}
+    else:
+        chat = dict(fmt)
+    try:
+        parsed = ResponseFormat.model_validate(chat)
+    except ValidationError as exc:
+        err = exc.errors(include_url=False)[0]
+        loc = ".".join(str(p) for p in err.get("loc", ()) if p != "json_schema")
+        raise bad_request(f"text.format.{loc}: {err.get('msg')}", param="text") from None
+    if parsed.type == "json_object":
+        _checked({"json_object": True}, "text", "text.format")
+    elif parsed.json_schema.schema_ is None:
+        raise bad_request("text.format.schema is required for type json_schema", param="text")
+    else:
+        _checked({"json": parsed.json_schema.schema_}, "text", "text.format")
+    return chat

@@ -262,8 +262,10 @@ def test_tool_refusals(server, client, scripted_server, scripted_client):
     ({"previous_response_id": "resp_123"}, "previous_response_id", "does not store"),
     ({"store": True}, "store", "does not store"),
     ({"background": True}, "background", "storage"),
-    ({"text": {"format": {"type": "json_schema", "name": "x", "schema": {}}}}, "text",
-     "structured output"),
+    ({"text": {"format": {"type": "json_schema", "name": "x", "schema": {"type": 7}}}}, "text",
+     "text.format.schema is an invalid JSON schema"),
+    ({"text": {"format": {"type": "json_schema", "name": "x"}}}, "text", "schema is required"),
+    ({"text": {"format": {"type": "yaml"}}}, "text", "text.format.type"),
     ({"truncation": "auto"}, "truncation", "truncation"),
 ])
 def test_refused_fields_name_themselves(server, client, extra, param, says):
@@ -322,3 +324,16 @@ def test_a_reply_sent_back_is_the_assistant_turn(server, client):
                                                     "summary": [{"type": "summary_text",
                                                                  "text": "x"}]}], **kw)
     assert err.param == "input" and err.body["message"].startswith("input.0.summary")
+
+
+def test_text_format_json_schema_is_structured_output(server, client):
+    import jsonschema
+
+    schema = {"type": "object", "properties": {"n": {"type": "integer", "maximum": 99},
+                                               "ok": {"type": "boolean"}},
+              "required": ["n", "ok"], "additionalProperties": False}
+    fmt = {"type": "json_schema", "name": "rec", "schema": schema, "strict": True}
+    r = client.responses.create(model=server.model, input="A record:", max_output_tokens=200,
+                                temperature=1.0, text={"format": fmt})
+    assert r.status == "completed", r
+    jsonschema.validate(json.loads(r.output_text), schema)
