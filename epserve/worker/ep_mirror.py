@@ -6,7 +6,8 @@ rank reaches the same verdict on the same bytes; ``validate`` changes nothing an
 ``EpCommandFailed`` naming the first problem and, when one sequence's rows or updates caused
 it, that sequence's ``(rank, slot)`` (so the leader can drop just it and re-issue the step);
 sampling values are judged by ``models.sampling_rules``, the rule the head applies at the edge;
-``apply`` runs only after a passing ``validate``; step ids rise by one per command received,
+``apply`` runs only after a passing ``validate`` of the same command (it reuses the decode rows'
+keys and positions validate found); step ids rise by one per command received,
 valid or not.
 """
 
@@ -52,6 +53,8 @@ class EpMirror:
         self.seq_len = np.zeros((world_size, max_slots), dtype=np.int64)
         self.nblocks = np.zeros((world_size, max_slots), dtype=np.int64)
         self.next_step = 0
+        # the last validated command's decode rows: flat keys and positions (KV lengths)
+        self.decode_keys = self.decode_pos = np.zeros(0, dtype=np.int64)
 
     def num_blocks_of(self, key: tuple[int, int]) -> int:
         return int(self.nblocks[key])
@@ -188,14 +191,17 @@ class EpMirror:
 
     def _check_decode(self, cmd: StepCommand, live: np.ndarray, blocks: np.ndarray,
                       lens: np.ndarray, fail: "_Failer") -> np.ndarray:
-        """All decode rows at once; returns their flat slot keys. Each check is one or two
-        whole-array calls (a step's host time is mostly per-call overhead); only a failing
-        check looks for the row to name."""
-        rank, slot, feed, oidx = cmd.decode.cols
+        """All decode rows at once; returns their flat slot keys and keeps them with the rows'
+        positions (``decode_keys``, ``decode_pos``) for ``apply`` and the rank's rows. A few
+        whole-array calls (at a few hundred rows a step's host time is per-call overhead);
+        only a failing check looks for the row to name."""
+        cols = cmd.decode.cols
+        rank, slot, feed, oidx = cols
         if not len(rank):
+            self.decode_keys = self.decode_pos = rank
             return rank
-        if (int(rank.min()) < 0 or int(rank.max()) >= self.world_size or int(slot.min()) < 0
-                or int(slot.max()) >= self.max_slots):
+        lo, hi = cols.min(axis=1).tolist(), cols.max(axis=1).tolist()
+        if lo[0] < 0 or hi[0] >= self.world_size or lo[1] < 0 or hi[1] >= self.max_slots:
             bad = (rank < 0) | (rank >= self.world_size) | (slot < 0) | (slot >= self.max_slots)
             i = int(bad.argmax())
             fail(f"decode row {i}: rank {rank[i]} / slot {slot[i]} out of range")
@@ -207,15 +213,16 @@ class EpMirror:
                  _row_key(rank, slot, i))
         if int(np.bincount(keys).max()) > 1:
             fail("decode row: a sequence appears twice")
-        if int(feed.min()) < FEED_DEVICE or int(feed.max()) >= self.vocab_size:
+        if lo[2] < FEED_DEVICE or hi[2] >= self.vocab_size:
             i = int(((feed < FEED_DEVICE) | (feed >= self.vocab_size)).argmax())
             fail(f"decode row {i}: token outside the vocab", _row_key(rank, slot, i))
         ln = lens.ravel()[keys]
         nok = ln >= blocks.ravel()[keys] * self.block_size
-        if nok.any() or int(oidx.min()) < 0:
+        if lo[3] < 0 or nok.any():
             i = int((nok | (oidx < 0)).argmax())
             fail(f"decode row {i}: no KV block for position {ln[i]} of ({rank[i]}, {slot[i]})",
                  _row_key(rank, slot, i))
+        self.decode_keys, self.decode_pos = keys, ln
         return keys
 
     # ------------------------------------------------------------------ apply
@@ -235,9 +242,8 @@ class EpMirror:
             self.slots[(u.rank, u.slot)].sampling = u.sampling
         for b in cmd.block_updates:
             self.nblocks[b.rank, b.slot] = b.first + len(b.blocks)
-        rank, slot = cmd.decode.cols[0], cmd.decode.cols[1]
-        if len(rank):
-            self.seq_len.ravel()[rank * self.max_slots + slot] += 1
+        if len(self.decode_keys):  # each decode row's position, kept by validate, plus one
+            self.seq_len.ravel()[self.decode_keys] = self.decode_pos + 1
         for p in cmd.prefill:
             self.seq_len[p.rank, p.slot] = p.start + len(p.tokens)
 

@@ -123,13 +123,13 @@ class RankExecutor:
         the command or this rank's last sample)."""
         me = self.rank
         rank, slot, feed, oidx = cmd.decode.cols
+        pos = self.mirror.decode_pos  # each decode row's position, as validated
         if self.world_size > 1:
             mine = rank == me
-            slot, feed, oidx = slot[mine], feed[mine], oidx[mine]
+            slot, feed, oidx, pos = slot[mine], feed[mine], oidx[mine], pos[mine]
         prefill = [p for p in cmd.prefill if p.rank == me]
         if not len(slot) and not prefill:
             return None
-        pos = self.mirror.seq_len[me][slot] - 1  # applied: each decode row advanced by one
         ids = np.where(feed == FEED_DEVICE, self.last_token[slot], feed)
         samp = self.sampling
         sampling = [samp[s] for s in slot.tolist()]
