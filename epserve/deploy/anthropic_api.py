@@ -33,7 +33,9 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 
 from epserve.deploy.anthropic_blocks import to_anthropic_id
-from epserve.deploy.anthropic_models import CountTokensRequest, MessagesRequest, parse
+from epserve.deploy.anthropic_models import (
+    CountTokensRequest, MessagesRequest, check_cache_control, parse,
+)
 from epserve.deploy.errors import ApiError, bad_request
 from epserve.deploy.gate import Gate, app_path
 from epserve.deploy.stream import chat_chunks
@@ -242,6 +244,7 @@ class AnthropicMessages:
         self.serving = serving
 
     async def create(self, body: dict[str, Any]) -> dict[str, Any] | AsyncIterator[str]:
+        check_cache_control(body, self.serving.info.prefix_caching)
         req: MessagesRequest = parse(MessagesRequest, body)
         if req.thinking is not None and req.thinking.type == "enabled" and \
                 not self.serving.parsing.reasoning_parser:
@@ -252,6 +255,7 @@ class AnthropicMessages:
         return message_body(result) if isinstance(result, dict) else message_events(result)
 
     async def count_tokens(self, body: dict[str, Any]) -> dict[str, Any]:
+        check_cache_control(body, self.serving.info.prefix_caching)
         req: CountTokensRequest = parse(CountTokensRequest, body)
         tokens = await self._chat_path(req, self.serving.tokenize, req.template_fields())
         return {"input_tokens": tokens["count"]}

@@ -12,7 +12,8 @@ prefill: the answer carries on from it) rather than answered. ``tools``, ``tool_
 ``chat_template_kwargs.enable_thinking``, so the chat path's checks (the server's flags, what
 the template reads) judge them. ``cache_control`` (``ephemeral``) is accepted because the
 engine's prefix cache keeps every prompt prefix it has computed (on by default);
-``usage.cache_read_input_tokens`` reports what it reused.
+``usage.cache_read_input_tokens`` reports what it reused. On a server without the prefix cache
+it would do nothing, so there it is a 400 (``check_cache_control``).
 """
 
 from __future__ import annotations
@@ -141,6 +142,23 @@ class MessagesRequest(CountTokensRequest):
         if choice is None or (not self.tools and choice.type in ("auto", "none")):
             return {}
         return choice.to_chat()
+
+
+def _has_cache_control(value: Any) -> bool:
+    if isinstance(value, dict):
+        return "cache_control" in value or any(_has_cache_control(v) for v in value.values())
+    if isinstance(value, list):
+        return any(_has_cache_control(v) for v in value)
+    return False
+
+
+def check_cache_control(body: dict[str, Any], prefix_caching: bool) -> None:
+    """``cache_control`` anywhere in ``body`` is a 400 on a server whose engine keeps no
+    prompt prefixes (--no-prefix-caching): it could not be honoured."""
+    if not prefix_caching and _has_cache_control(body):
+        raise bad_request("cache_control: this server runs without the prefix cache "
+                          "(--no-prefix-caching), so no prompt prefix is cached",
+                          param="cache_control")
 
 
 def parse(model: type[CountTokensRequest], body: dict[str, Any]) -> Any:

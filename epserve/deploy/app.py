@@ -128,7 +128,8 @@ async def connect(config: AppConfig) -> tuple[OpenAIServing, Gate]:
     info = ModelInfo(name=str(facts["served_model_name"]), path=str(facts["model"]),
                      max_model_len=int(facts["max_model_len"]),
                      vocab_size=int(facts["vocab_size"]),
-                     limits=RequestLimits(**facts["limits"]))
+                     limits=RequestLimits(**facts["limits"]),
+                     prefix_caching=facts["cache_config"]["enable_prefix_caching"] == "True")
     serving = OpenAIServing(client, tokenizer, info,
                             ServerMetrics(info.name, facts["cache_config"]),
                             config.chat_parsing())

@@ -47,6 +47,7 @@ class ModelInfo:
     max_model_len: int
     vocab_size: int
     limits: RequestLimits  # the engine's per-request bounds, checked here first
+    prefix_caching: bool = True  # the engine reuses computed prompt prefixes
 
 
 class OpenAIServing:

@@ -344,3 +344,22 @@ def test_arguments_that_are_no_json_object_still_make_a_message():
                                              "finish_reason": "tool_calls"}], "usage": USAGE})
     assert [(b["name"], b["input"]) for b in body["content"]] == [("f", {"a": 1}),
                                                                    ("g", "not json")]
+
+
+def test_cache_control_is_refused_where_no_prefix_is_cached():
+    """With the prefix cache (the default) cache_control is honoured by it; without it the
+    field could do nothing, so it is a 400 naming it, wherever it sits in the body."""
+    from epserve.deploy.anthropic_models import check_cache_control
+    from epserve.deploy.errors import ApiError
+
+    nested = {"model": "m", "max_tokens": 4, "messages": [{"role": "user", "content": [
+        {"type": "text", "text": "hi", "cache_control": {"type": "ephemeral"}}]}]}
+    top = {"model": "m", "max_tokens": 4, "messages": [], "cache_control": {"type": "ephemeral"}}
+    plain = {"model": "m", "max_tokens": 4, "messages": [{"role": "user", "content": "hi"}]}
+    for body in (nested, top, plain):
+        check_cache_control(body, prefix_caching=True)  # nothing refused
+    check_cache_control(plain, prefix_caching=False)
+    for body in (nested, top):
+        with pytest.raises(ApiError) as err:
+            check_cache_control(body, prefix_caching=False)
+        assert err.value.status == 400 and err.value.param == "cache_control"
