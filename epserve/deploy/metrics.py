@@ -118,25 +118,22 @@ class ServerMetrics:
             info.labels(**cache_config).set(1)
         self._engine = _EngineCollector(model_name)
         self.registry.register(self._engine)
-        kw = dict(labelnames=["model_name"], registry=self.registry)
-        self.ttft = Histogram("vllm:time_to_first_token_seconds",
-                              "Histogram of time to first token in seconds.",
-                              buckets=TTFT_BUCKETS, **kw).labels(model_name)
-        self.tpot = Histogram("vllm:time_per_output_token_seconds",
-                              "Histogram of time per output token in seconds.",
-                              buckets=TPOT_BUCKETS, **kw).labels(model_name)
-        self.e2e = Histogram("vllm:e2e_request_latency_seconds",
-                             "Histogram of end-to-end request latency in seconds.",
-                             buckets=E2E_BUCKETS, **kw).labels(model_name)
-        self.itl = Histogram("vllm:inter_token_latency_seconds",
-                             "Histogram of inter-token latency in seconds.",
-                             buckets=ITL_BUCKETS, **kw).labels(model_name)
-        self.prompt_tokens = Histogram("vllm:request_prompt_tokens",
-                                       "Number of prefill tokens processed.",
-                                       buckets=TOKEN_BUCKETS, **kw).labels(model_name)
-        self.generation_tokens = Histogram("vllm:request_generation_tokens",
-                                           "Number of generation tokens processed.",
-                                           buckets=TOKEN_BUCKETS, **kw).labels(model_name)
+        def hist(name: str, text: str, buckets: Any) -> Any:
+            return Histogram(name, text, buckets=buckets, labelnames=["model_name"],
+                             registry=self.registry).labels(model_name)
+
+        self.ttft = hist("vllm:time_to_first_token_seconds",
+                         "Histogram of time to first token in seconds.", TTFT_BUCKETS)
+        self.tpot = hist("vllm:time_per_output_token_seconds",
+                         "Histogram of time per output token in seconds.", TPOT_BUCKETS)
+        self.e2e = hist("vllm:e2e_request_latency_seconds",
+                        "Histogram of end-to-end request latency in seconds.", E2E_BUCKETS)
+        self.itl = hist("vllm:inter_token_latency_seconds",
+                        "Histogram of inter-token latency in seconds.", ITL_BUCKETS)
+        self.prompt_tokens = hist("vllm:request_prompt_tokens",
+                                  "Number of prefill tokens processed.", TOKEN_BUCKETS)
+        self.generation_tokens = hist("vllm:request_generation_tokens",
+                                      "Number of generation tokens processed.", TOKEN_BUCKETS)
 
     def render(self, stats: Mapping[str, Any]) -> bytes:
         """The exposition text with engine values from ``stats`` (``HeadActor.stats()``)."""
