@@ -92,15 +92,28 @@ def _align(n: int, k: int) -> int:
     return -(-n // k) * k
 
 
-def _host(n: int, dtype: type, pin: bool) -> tuple[torch.Tensor, np.ndarray]:
-    """A host buffer of ``n`` values as a tensor and a numpy view of the same memory (pinned
-    for a non-blocking copy to CUDA)."""
+def _host(n: int, nr: int, ns: int, width: int,
+          pin: bool) -> tuple[torch.Tensor, np.ndarray, np.ndarray]:
+    """A fresh host buffer for one step (a non-blocking copy of the last one may still be in
+    flight), pinned for CUDA: int64 ids | positions | KV slots (``align(n, 2)`` each) | sample
+    index (``align(nr, 2)``), then int32 seq lens (``align(ns, 4)``) | block tables
+    ``[ns, width]``. Every section starts 16-byte aligned: Triton specializes kernels on
+    pointer alignment, so a section whose alignment changed with the row count would compile a
+    new kernel variant in the middle of a run. One buffer: one allocation, one copy. Returns
+    the tensor and int64 and int32 numpy views of its two parts."""
+    off = _i32_offset(n, nr)
+    total = off + (_align(ns, 4) + ns * width + 1) // 2
     if pin:
-        t = torch.empty(n, dtype=torch.int64 if dtype is np.int64 else torch.int32,
-                        pin_memory=True)
-        return t, t.numpy()
-    a = np.empty(n, dtype=dtype)
-    return torch.from_numpy(a), a
+        t = torch.empty(total, dtype=torch.int64, pin_memory=True)
+        a = t.numpy()
+    else:
+        a = np.empty(total, dtype=np.int64)
+        t = torch.from_numpy(a)
+    return t, a[:off], a[off:].view(np.int32)
+
+
+def _i32_offset(n: int, nr: int) -> int:
+    return 3 * _align(n, 2) + _align(nr, 2)
 
 
 def build_step_inputs(rows: RankRows, tables: BlockTables, block_size: int,
@@ -132,23 +145,17 @@ def build_step_inputs(rows: RankRows, tables: BlockTables, block_size: int,
     lens = np.concatenate(seq_lens) if len(seq_lens) > 1 else seq_lens[0]
     n, ns, nr = qsl[-1], len(lens), len(sample_index)
     width = -(-int(lens.max()) // bs)
-    # Two host buffers, one copy each (pinned + non-blocking on CUDA): int64 ids | positions |
-    # slots | sample index, and int32 seq_lens | block tables. Every section starts 16-byte
-    # aligned: Triton specializes kernels on pointer alignment, so a section whose alignment
-    # changed with the row count would compile a new kernel variant in the middle of a run.
     n2, ns4 = _align(n, 2), _align(ns, 4)
     pin = device.type == "cuda"
-    h64, v64 = _host(3 * n2 + nr, np.int64, pin)  # a fresh buffer per step: a non-blocking
-    # copy of the last one may still be in flight
+    h, v64, v32 = _host(n, nr, ns, width, pin)
     for k, parts in enumerate((ids, pos, kv)):
         v64[k * n2:k * n2 + n] = np.concatenate(parts) if len(parts) > 1 else parts[0]
-    v64[3 * n2:] = sample_index
-    h32, v32 = _host(ns4 + ns * width, np.int32, pin)
+    v64[3 * n2:3 * n2 + nr] = sample_index
     v32[:ns] = lens
     row_slots = np.concatenate(slots) if len(slots) > 1 else slots[0]
-    v32[ns4:].reshape(ns, width)[:] = tables.np[row_slots, :width]
-    return _finish(rows, h64, h32, n, ns, nr, width, tuple(qsl), lens, tuple(sampled_prefill),
-                   bs, device)
+    v32[ns4:ns4 + ns * width].reshape(ns, width)[:] = tables.np[row_slots, :width]
+    return _finish(rows, h, n, ns, nr, width, tuple(qsl), lens, tuple(sampled_prefill), bs,
+                   device, pin)
 
 
 def _decode_inputs(rows: RankRows, tables: BlockTables, bs: int,
@@ -161,45 +168,52 @@ def _decode_inputs(rows: RankRows, tables: BlockTables, bs: int,
     lens = pos + 1
     width = -(-int(lens.max()) // bs)
     pin = device.type == "cuda"
-    h64, v64 = _host(3 * n2 + nd, np.int64, pin)
+    h, v64, v32 = _host(nd, nd, nd, width, pin)
     v64[:nd] = rows.decode_ids
     v64[n2:n2 + nd] = pos
+    blk, off = np.divmod(pos, bs)
     kv = v64[2 * n2:2 * n2 + nd]
-    np.multiply(tables.np[slots, pos // bs], bs, out=kv)
-    kv += pos % bs
-    v64[3 * n2:] = _ARANGE[:nd] if nd <= len(_ARANGE) else np.arange(nd)
-    h32, v32 = _host(ns4 + nd * width, np.int32, pin)
+    np.multiply(tables.np[slots, blk], bs, out=kv)
+    kv += off
+    v64[3 * n2:3 * n2 + nd] = _ARANGE[:nd] if nd <= len(_ARANGE) else np.arange(nd)
     v32[:nd] = lens
-    v32[ns4:].reshape(nd, width)[:] = tables.np[slots, :width]
-    return _finish(rows, h64, h32, nd, nd, nd, width, tuple(range(nd + 1)), lens, (), bs,
-                   device)
+    v32[ns4:ns4 + nd * width].reshape(nd, width)[:] = tables.np[slots, :width]
+    return _finish(rows, h, nd, nd, nd, width, _ranges(nd), lens, (), bs, device, pin)
 
 
 _ARANGE = np.arange(4096, dtype=np.int64)
+_RANGES: dict[int, tuple[int, ...]] = {}
 
 
-def _finish(rows: RankRows, h64: torch.Tensor, h32: torch.Tensor, n: int, ns: int, nr: int,
-            width: int, qsl: tuple[int, ...], lens: np.ndarray,
-            sampled_prefill: tuple[int, ...], bs: int, device: torch.device) -> StepInputs:
-    """Copy the two host buffers to ``device`` (nothing to copy on the CPU) and cut the
-    step's tensors out of them."""
+def _ranges(n: int) -> tuple[int, ...]:
+    """``tuple(range(n + 1))``, built once per row count (a decode step's query starts)."""
+    r = _RANGES.get(n)
+    if r is None:
+        r = _RANGES[n] = tuple(range(n + 1))
+    return r
+
+
+def _finish(rows: RankRows, h: torch.Tensor, n: int, ns: int, nr: int, width: int,
+            qsl: tuple[int, ...], lens: np.ndarray, sampled_prefill: tuple[int, ...], bs: int,
+            device: torch.device, pin: bool) -> StepInputs:
+    """Copy the host buffer to ``device`` (nothing to copy on the CPU) and cut the step's
+    tensors out of it."""
     n2, ns4 = _align(n, 2), _align(ns, 4)
-    pin = device.type == "cuda"
-    d64 = h64.to(device, non_blocking=True) if pin else h64
-    d32 = h32.to(device, non_blocking=True) if pin else h32
+    d = h.to(device, non_blocking=True) if pin else h
+    d32 = d[_i32_offset(n, nr):].view(torch.int32)
     meta = AttentionMetadata(
-        slot_mapping=d64[2 * n2:2 * n2 + n],
+        slot_mapping=d[2 * n2:2 * n2 + n],
         query_start_loc=qsl,
         seq_lens=tuple(lens.tolist()),
-        block_tables=d32[ns4:].view(ns, width),
+        block_tables=d32[ns4:ns4 + ns * width].view(ns, width),
         block_size=bs,
         seq_lens_t=d32[:ns] if not rows.prefill else None,
     )
     return StepInputs(
-        input_ids=d64[:n],
-        positions=d64[n2:n2 + n],
+        input_ids=d[:n],
+        positions=d[n2:n2 + n],
         meta=meta,
-        sample_index=d64[3 * n2:3 * n2 + nr],
+        sample_index=d[3 * n2:3 * n2 + nr],
         rows=rows,
         sampled_prefill=sampled_prefill,
     )
