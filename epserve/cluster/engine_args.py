@@ -18,6 +18,7 @@ from typing import Any, Sequence
 
 from epserve.head.engine import Engine, EngineConfig
 from epserve.head.limits import RequestLimits
+from epserve.head.speculative import SpeculativeConfig
 from epserve.head.scheduler import SchedulerConfig
 from epserve.models.config import CheckpointError, ModelConfig
 from epserve.worker.runner import RunnerConfig
@@ -61,6 +62,8 @@ class EngineArgs:
     max_stop_chars: int = RequestLimits.max_stop_chars
     max_stop_token_ids: int = RequestLimits.max_stop_token_ids
     max_logprobs: int = RequestLimits.max_logprobs
+    # vLLM's shape: {"method": "ngram", "num_speculative_tokens": 4, ...} (head/speculative.py)
+    speculative_config: dict | None = None
 
     def __post_init__(self) -> None:
         for name in ("block_size", "max_num_seqs", "max_num_batched_tokens", "ep_size"):
@@ -96,6 +99,7 @@ class EngineArgs:
         if isinstance(self.seed, bool) or not isinstance(self.seed, int):
             raise ValueError(f"seed must be an int, got {self.seed!r}")
         _check_device_name(self.device)
+        SpeculativeConfig.from_dict(self.speculative_config)  # its ValueError names the key
 
     def check_on_this_machine(self) -> None:
         """The checks that read this machine, before anything loads: the device is present,
@@ -250,5 +254,6 @@ def build_engine(args: EngineArgs, runner: Any = None) -> tuple[Engine, Any, Any
             max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
             long_prefill_token_threshold=args.long_prefill_token_threshold,
             enable_prefix_caching=args.enable_prefix_caching),
-        limits=args.request_limits()))
+        limits=args.request_limits(),
+        speculative=SpeculativeConfig.from_dict(args.speculative_config)))
     return engine, runner, tok

@@ -7,6 +7,7 @@ the values are checked by ``EngineArgs``, never here.
 from __future__ import annotations
 
 import argparse
+import json
 
 
 def add_engine_flags(p: argparse.ArgumentParser) -> None:
@@ -55,6 +56,20 @@ def add_engine_flags(p: argparse.ArgumentParser) -> None:
                         "(an idle server keeps its ranks' channel open at a quarter of it)")
     p.add_argument("--seed", type=int, default=0,
                    help="the engine's seed (a request without its own seed samples from it)")
+    p.add_argument("--speculative-config", type=_json_object, default=None,
+                   help='speculative decoding as JSON, vLLM\'s shape, e.g. \'{"method": '
+                        '"ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 4}\' '
+                        '(default: none)')
+
+
+def _json_object(text: str) -> dict:
+    try:
+        v = json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise argparse.ArgumentTypeError(f"not JSON: {exc}") from None
+    if not isinstance(v, dict):
+        raise argparse.ArgumentTypeError("expected a JSON object")
+    return v
 
 
 def add_limit_flags(p: argparse.ArgumentParser) -> None:
@@ -87,4 +102,5 @@ def engine_options(args: argparse.Namespace) -> dict:
         seed=args.seed,
         gpu_memory_utilization=args.gpu_memory_utilization,
         enforce_eager=getattr(args, "enforce_eager", False),
-        decode_lookahead=False if getattr(args, "no_decode_lookahead", False) else None)
+        decode_lookahead=False if getattr(args, "no_decode_lookahead", False) else None,
+        speculative_config=getattr(args, "speculative_config", None))

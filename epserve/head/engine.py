@@ -1,7 +1,9 @@
 """The Engine: requests in, one model step per ``step()``, ``RequestOutput``s out.
 
 A step is: plan (Scheduler), one ``mixed_forward_batch`` on the model, then per sampled token:
-append, detokenize incrementally, check stops, finish. Invariants: a request that is refused
+append, detokenize incrementally, check stops, finish. With speculative decoding a decode row
+may emit several tokens (its accepted drafts and the target's next one), appended one by one
+so that a stop or ``max_tokens`` cuts the run at the right token. Invariants: a request that is refused
 at ``add_request`` leaves no trace; a request that fails in a step is finished with its error
 and its KV freed, and the other requests go on; the text a running output shows never ends in
 something that could still become a stop string.
@@ -26,11 +28,13 @@ from epserve.head.outputs import RequestOutput
 from epserve.head.sampling_params import SamplingParams
 from epserve.head.scheduler import Scheduler, SchedulerConfig, StepPlan
 from epserve.head.sequence import Request, SeqStatus, Sequence
+from epserve.head.speculative import SpeculativeConfig, SpecStats
 from epserve.head.stop_automaton import StopAutomaton
 from epserve.head.stops import StopChecker
+from epserve.models.acceptance import accepted
 from epserve.models.sampling_rules import token_ids_problem
 from epserve.models.traits import (
-    EpCommandFailed, MixedBatchResult, Model, RankFailure, SampledToken,
+    EpCommandFailed, MixedBatchResult, Model, RankFailure, SampledToken, require_capability,
 )
 
 log = logging.getLogger(__name__)
@@ -44,6 +48,7 @@ class EngineConfig:
     seed: int = 0
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
     limits: RequestLimits = RequestLimits()
+    speculative: SpeculativeConfig | None = None
 
 
 @dataclass
@@ -53,6 +58,7 @@ class EngineStats:
     prompt_tokens: int = 0
     generation_tokens: int = 0
     finished: dict[str, int] = field(default_factory=dict)
+    spec: SpecStats = field(default_factory=SpecStats)
 
 
 def _public_reason(exc: BaseException) -> str:
@@ -79,7 +85,13 @@ class Engine:
         # banning it under min_tokens would make every rank refuse the row
         self.cfg = dataclasses.replace(cfg, eos_token_ids=frozenset(
             t for t in cfg.eos_token_ids if 0 <= t < cfg.vocab_size))
-        self.scheduler = Scheduler(model, cfg.scheduler)
+        spec = cfg.speculative
+        if spec is not None:
+            require_capability(model, "verify", "speculative decoding")
+        self.scheduler = Scheduler(model, cfg.scheduler,
+                                   spec.proposer() if spec is not None else None,
+                                   spec.num_speculative_tokens if spec is not None else 0,
+                                   cfg.max_model_len)
         self.grammars = GrammarBook(tokenizer, cfg.vocab_size, self.cfg.eos_token_ids)
         self.requests: dict[str, Request] = {}
         self.stats = EngineStats()
@@ -222,10 +234,14 @@ class Engine:
         for seq, reason in plan.failed:
             self._fail_seq(seq, reason, touched)
         if not plan.empty:
+            states = [s.state for s in plan.decode]
             try:
-                result = self.model.mixed_forward_batch(plan.decode_tokens,
-                                                        [s.state for s in plan.decode],
-                                                        plan.slices)
+                if plan.drafts is not None and any(plan.drafts):
+                    result = self.model.mixed_forward_batch(plan.decode_tokens, states,
+                                                            plan.slices, plan.drafts)
+                else:
+                    result = self.model.mixed_forward_batch(plan.decode_tokens, states,
+                                                            plan.slices)
             except RankFailure:
                 raise  # the group is broken: the caller re-forms it and replays
             except (EpCommandFailed, ValueError, RuntimeError) as exc:
@@ -240,9 +256,16 @@ class Engine:
 
     def _apply(self, plan: StepPlan, result: MixedBatchResult, touched: dict[str, Request]) -> None:
         failed, m = result.failed, len(plan.decode)
+        verified = result.verified
         for i, (seq, tok) in enumerate(zip(plan.decode, result.decode)):
             if i in failed:
                 self._fail_seq(seq, failed[i], touched)
+            elif i in verified:
+                run, drafts = verified[i], plan.drafts[i]
+                a = accepted(drafts, run)
+                self.stats.spec.record(drafts, a)
+                for t in run[:a + 1]:
+                    self._append(seq, t, touched)
             else:
                 self._append(seq, tok, touched)
         for j, (seq, sl, tok) in enumerate(zip(plan.prefill, plan.slices, result.prefill)):

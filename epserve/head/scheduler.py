@@ -7,8 +7,10 @@ rest of its prompt). The loop walks the running sequences in admission order, gi
 short it first reclaims prefix-cache blocks, then preempts the newest running sequence (its
 KV is dropped and it is prefilled again later, with the same output). What budget is left
 admits waiting sequences in arrival order (preempted ones first), reusing cached prefix
-blocks. Invariants: a planned row's blocks are reserved before the forward; a sequence is in
-at most one of ``waiting`` / ``running``; nothing here touches torch.
+blocks. With a proposer (speculative decoding) a decode row also carries drafted tokens, as
+many as the budget, the request's remaining ``max_tokens`` and the free KV blocks allow (a
+draft never preempts anything). Invariants: a planned row's blocks are reserved before the
+forward; a sequence is in at most one of ``waiting`` / ``running``; nothing here touches torch.
 """
 
 from __future__ import annotations
@@ -16,6 +18,8 @@ from __future__ import annotations
 import time
 from collections import deque
 from dataclasses import dataclass, field
+
+from typing import Any
 
 from epserve.head.sequence import Sequence, SeqStatus
 from epserve.models.traits import Model, PrefillSlice
@@ -35,10 +39,13 @@ class SchedulerConfig:
 
 @dataclass
 class StepPlan:
-    """One step: decode rows (one token each) and prefill chunks, plus who was preempted."""
+    """One step: decode rows (one token each, plus drafts with a proposer) and prefill chunks,
+    plus who was preempted. ``drafts``: per decode row its drafted tokens, None without a
+    proposer."""
 
     decode: list[Sequence] = field(default_factory=list)
     decode_tokens: list[int] = field(default_factory=list)
+    drafts: list[tuple[int, ...]] | None = None
     prefill: list[Sequence] = field(default_factory=list)
     slices: list[PrefillSlice] = field(default_factory=list)
     preempted: list[Sequence] = field(default_factory=list)
@@ -50,16 +57,22 @@ class StepPlan:
 
     @property
     def num_tokens(self) -> int:
-        return len(self.decode) + sum(s.chunk_len for s in self.slices)
+        return (len(self.decode) + sum(s.chunk_len for s in self.slices)
+                + (sum(map(len, self.drafts)) if self.drafts else 0))
 
 
 class Scheduler:
     """Owns the waiting queue and the running list; talks to the model only through its
     lifecycle trait (sequence allocation, block reservation, prefix cache)."""
 
-    def __init__(self, model: Model, cfg: SchedulerConfig):
+    def __init__(self, model: Model, cfg: SchedulerConfig, proposer: Any = None,
+                 num_speculative_tokens: int = 0, max_model_len: int = 1 << 62):
+        """``proposer``: drafts tokens for decode rows (``head.speculative``), up to
+        ``num_speculative_tokens`` a row and never past ``max_model_len``."""
         self.model = model
         self.cfg = cfg
+        self.proposer, self.num_spec = proposer, num_speculative_tokens
+        self.max_model_len = max_model_len
         self.block_size = model.kv_block_size() or 1
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
@@ -87,7 +100,7 @@ class Scheduler:
     # ------------------------------------------------------------------ the step
 
     def schedule(self) -> StepPlan:
-        plan = StepPlan()
+        plan = StepPlan(drafts=[] if self.proposer is not None else None)
         budget = self.cfg.max_num_batched_tokens
         bs = self.block_size
         running = self.running
@@ -103,6 +116,8 @@ class Scheduler:
                 decode.append(seq)
                 decode_tokens.append(out[-1])
                 budget -= 1
+                if plan.drafts is not None:
+                    budget -= self._draft(seq, budget, plan.drafts)
                 i += 1
                 continue
             n = self._chunk(seq, budget)
@@ -110,8 +125,7 @@ class Scheduler:
                 if seq.status is not SeqStatus.RUNNING:
                     break  # it preempted itself: nothing newer is left to run
                 continue
-            self._plan_row(seq, n, plan)
-            budget -= n
+            budget -= self._plan_row(seq, n, plan, budget)
             i += 1
         if not plan.preempted:
             self._admit(plan, budget)
@@ -124,16 +138,41 @@ class Scheduler:
             left = min(left, cap)
         return min(left, budget)
 
-    def _plan_row(self, seq: Sequence, n: int, plan: StepPlan) -> None:
+    def _plan_row(self, seq: Sequence, n: int, plan: StepPlan, budget: int) -> int:
+        """Plan ``n`` reserved tokens of ``seq`` (a decode row or a prefill chunk); the
+        budget it took (a decode row's drafts included)."""
         state = seq.state
         if n == 1 and state.seq_len == seq.num_tokens - 1 and seq.output_ids:
             plan.decode.append(seq)
             plan.decode_tokens.append(seq.output_ids[-1])
-            return
+            return 1 + (self._draft(seq, budget - 1, plan.drafts) if plan.drafts is not None
+                        else 0)
         start = state.seq_len
         plan.prefill.append(seq)
         plan.slices.append(PrefillSlice(seq.all_tokens(), state, start, n,
                                         start + n == seq.num_tokens))
+        return n
+
+    def _draft(self, seq: Sequence, budget: int, drafts: list[tuple[int, ...]]) -> int:
+        """Draft tokens for decode row ``seq`` (appended to ``drafts``): at most the budget,
+        what is left of ``max_tokens`` after this step's own token, ``max_model_len``, and
+        while ``min_tokens`` bans apply, no draft crossing where they lift (every position of
+        a row is sampled under one ``RowSampling``). A constrained row gets none (its mask is
+        known for one position only). Returns how many."""
+        req, n = seq.request, len(seq.output_ids)
+        k = min(self.num_spec, budget, req.max_tokens - n - 1,
+                self.max_model_len - seq.num_tokens)
+        min_tokens = req.params.min_tokens
+        if n < min_tokens:
+            k = min(k, min_tokens - n - 1)
+        got: tuple[int, ...] = ()
+        if k > 0 and seq.grammar is None:
+            got, seq.draft_state = self.proposer.propose(req.prompt_ids, seq.output_ids, k,
+                                                         seq.draft_state)
+            if got and not self.model.reserve_blocks(seq.state, seq.state.seq_len + 1 + len(got)):
+                got = ()  # no free block for the drafts: decode only (drafts never preempt)
+        drafts.append(got)
+        return len(got)
 
     def _reserve(self, seq: Sequence, n: int, plan: StepPlan) -> bool:
         """Reserve KV for ``n`` more tokens of running ``seq``, reclaiming cached blocks, then
@@ -244,5 +283,4 @@ class Scheduler:
                 seq.request.scheduled_s = time.monotonic()
             self._admissions += 1
             self.running.append(seq)
-            self._plan_row(seq, n, plan)
-            budget -= n
+            budget -= self._plan_row(seq, n, plan, budget)

@@ -30,7 +30,8 @@ class Sequence:
 
     Set by the engine at creation: ``request``, ``index``, ``seed``, ``stops``, ``detok``,
     ``grammar`` (a structured output's matcher, advanced by the engine per token).
-    Set by the scheduler: ``status``, ``state``, ``admitted_at``. Set by the engine per step:
+    Set by the scheduler: ``status``, ``state``, ``admitted_at``, ``draft_state`` (its
+    proposer's history of this sequence). Set by the engine per step:
     ``output_ids``, ``sampled``, ``finish_reason``, ``stop_reason``. Set by
     ``head.output_stream`` only: ``sent_tokens``, ``sent_chars``, ``sent_finish`` (what the
     client has been sent).
@@ -55,6 +56,7 @@ class Sequence:
     sent_chars: int = 0
     sent_finish: bool = False
     grammar: Any = None  # head.grammar.SeqGrammar of a constrained sequence
+    draft_state: Any = None  # the speculative proposer's, per sequence (written by the scheduler)
 
     @property
     def prompt_ids(self) -> list[int]:

@@ -195,13 +195,16 @@ class MixedBatchResult:
     per prefill stream in input order (``None`` unless that chunk was its last).
 
     ``failed``: rows that did not run, by index (decode rows ``0..M-1``, prefill streams
-    ``M..M+N-1``) -> why; their entries above are placeholders. The other rows ran."""
+    ``M..M+N-1``) -> why; their entries above are placeholders. The other rows ran.
+    ``verified``: decode row -> the target's token at each position of a row that had drafts
+    (its ``decode`` entry is the first); emit up to ``models.acceptance.accepted`` + 1."""
 
     decode: tuple[SampledToken, ...]
     prefill: tuple[SampledToken | None, ...]
     decode_logits: Any = None
     prefill_logits: Any = None
     failed: dict[int, str] = field(default_factory=dict)
+    verified: dict[int, tuple[SampledToken, ...]] = field(default_factory=dict)
 
 
 @dataclass(frozen=True, slots=True)
@@ -243,30 +246,10 @@ class ForwardDisclosure:
     launches_per_step: int | None = None
 
 
-class EpCommandFailed(RuntimeError):
-    """An EP step command that was received and then failed to execute (validation or run).
-
-    Every rank reaches the same verdict on the same bytes: a worker logs it and keeps going.
-    ``bad_rows``: the ``(rank, slot)`` of the sequence whose rows or updates made the command
-    invalid, when one did; the leader then fails just that sequence and re-issues the step
-    without it. Empty: no one sequence is to blame, and the whole step fails.
-    """
-
-    def __init__(self, step_id: int, reason: str,
-                 bad_rows: Sequence[tuple[int, int]] = ()):
-        super().__init__(f"EpCommandFailed(step {step_id}): {reason}")
-        self.step_id = step_id
-        self.reason = reason
-        self.bad_rows = tuple(bad_rows)
-
-
-class RankFailure(RuntimeError):
-    """A rank died or a collective failed: the step cannot be agreed on, the EP group must be
-    re-formed. Unlike ``EpCommandFailed`` this fails every in-flight request."""
-
-
-class CapabilityAbsent(NotImplementedError):
-    """A request needed a capability this runner does not declare in ``capabilities()``."""
+# The failure types live in ``models.errors`` (re-exported: seed names).
+from epserve.models.errors import (  # noqa: E402
+    CapabilityAbsent, EpCommandFailed, RankFailure,
+)
 
 
 # --------------------------------------------------------------------------- the traits
@@ -293,7 +276,8 @@ class ModelForward(Protocol):
                       prefill_is_last: bool) -> MixedForwardResult: ...
     def prefill_batch_chunk(self, slices: Sequence[PrefillSlice]) -> tuple[SampledToken | None, ...]: ...
     def mixed_forward_batch(self, decode_tokens: Sequence[int], decode_seqs: Sequence[SequenceState],
-                            prefill_slices: Sequence[PrefillSlice]) -> MixedBatchResult: ...
+                            prefill_slices: Sequence[PrefillSlice],
+                            drafts: Sequence[Sequence[int]] | None = None) -> MixedBatchResult: ...
     def supports_beam(self) -> bool: ...
     def generate_beam_batch(self, reqs: Sequence[BeamReq]) -> list[list[int]]: ...
     def is_mla(self) -> bool: ...
@@ -350,8 +334,14 @@ class ModelStreams(Protocol):
     def synchronize(self) -> None: ...
 
 
+@runtime_checkable
 class ModelVerify(Protocol):
-    """Speculative verify passes (not implemented yet: declared absent)."""
+    """Speculative verify: ``tokens`` laid out sequence by sequence (each sequence's last token,
+    then its ``ks[i]`` drafts); the target's token at every position, per sequence. The model
+    keeps the accepted prefix (``models.acceptance``) and rewinds the rest itself."""
+
+    def decode_verify_batched(self, tokens: Sequence[int], ks: Sequence[int], seqs: Sequence[SequenceState],
+                              opts: VerifyBatchedOpts = VerifyBatchedOpts()) -> tuple[tuple[SampledToken, ...], ...]: ...
 
 
 class ModelDraft(Protocol):

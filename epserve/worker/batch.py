@@ -22,13 +22,26 @@ from epserve.worker.step_command import PrefillRow
 
 
 @dataclass(frozen=True, slots=True)
+class VerifyRun:
+    """A verify row on its rank: ``tokens`` [k + 1] int64 (the fed token, then the k drafts)
+    at positions ``start..start + k``, every one sampled (draws ``output_index + i``)."""
+
+    slot: int
+    start: int
+    tokens: np.ndarray
+    output_index: int
+    drafts: tuple[int, ...]
+
+
+@dataclass(frozen=True, slots=True)
 class RankRows:
     """This rank's rows of one command, decode rows first, and how each sampled row is drawn.
 
     ``decode_slots`` / ``decode_pos`` / ``decode_ids``: [D] int64, each decode row's slot,
     position (the KV length before the step) and fed token; ``prefill``: the chunks;
-    ``sampling`` / ``output_index``: one per sampled row (every decode row, then each prefill
-    row with ``sample``); ``prompt_logprobs``: per prefill row, the top-k to score its prompt
+    ``verify``: the verify rows (between decode rows and chunks in the batch);
+    ``sampling`` / ``output_index``: one per sampled position (every decode row, each verify
+    row's positions, then each prefill row with ``sample``); ``prompt_logprobs``: per prefill row, the top-k to score its prompt
     positions with and each position's next-token target (-1: none), or None;
     ``mask_rows`` / ``mask_words``: the constrained sampled rows (indices into ``sampling``,
     [M] int64) and their token masks ([M, ceil(V / 32)] int32), None when no row has one.
@@ -43,10 +56,16 @@ class RankRows:
     prompt_logprobs: Sequence[tuple[int, tuple[int, ...]] | None] = ()
     mask_rows: np.ndarray | None = None
     mask_words: np.ndarray | None = None
+    verify: Sequence[VerifyRun] = ()
 
     @property
     def num_decode(self) -> int:
         return len(self.decode_slots)
+
+    @property
+    def chunked(self) -> bool:
+        """Rows of more than one token (prefill chunks or verify rows)."""
+        return bool(self.prefill) or bool(self.verify)
 
 
 @dataclass(frozen=True, slots=True)
@@ -118,8 +137,8 @@ def _i32_offset(n: int, nr: int) -> int:
 
 def build_step_inputs(rows: RankRows, tables: BlockTables, block_size: int,
                       device: torch.device) -> StepInputs:
-    """Flatten decode rows then prefill chunks into one token batch."""
-    if not rows.prefill:
+    """Flatten decode rows, verify rows, then prefill chunks into one token batch."""
+    if not rows.chunked:
         return _decode_inputs(rows, tables, block_size, device)
     bs = block_size
     nd = rows.num_decode
@@ -130,6 +149,16 @@ def build_step_inputs(rows: RankRows, tables: BlockTables, block_size: int,
     sample_index = list(range(nd))
     sampled_prefill = []
     slots = [rows.decode_slots]
+    for v in rows.verify:  # every position samples
+        n = len(v.tokens)
+        p = np.arange(v.start, v.start + n, dtype=np.int64)
+        ids.append(v.tokens)
+        pos.append(p)
+        kv.append(tables.kv_slots(np.full(n, v.slot), p, bs))
+        sample_index.extend(range(qsl[-1], qsl[-1] + n))
+        qsl.append(qsl[-1] + n)
+        seq_lens.append(np.array([v.start + n], dtype=np.int64))
+        slots.append(np.array([v.slot], dtype=np.int64))
     for r, row in enumerate(rows.prefill):
         n, start = len(row.tokens), row.start
         p = np.arange(start, start + n, dtype=np.int64)
@@ -207,7 +236,7 @@ def _finish(rows: RankRows, h: torch.Tensor, n: int, ns: int, nr: int, width: in
         seq_lens=tuple(lens.tolist()),
         block_tables=d32[ns4:ns4 + ns * width].view(ns, width),
         block_size=bs,
-        seq_lens_t=d32[:ns] if not rows.prefill else None,
+        seq_lens_t=d32[:ns] if not rows.chunked else None,
     )
     return StepInputs(
         input_ids=d[:n],

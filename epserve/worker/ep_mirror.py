@@ -20,7 +20,8 @@ import numpy as np
 from epserve.models.sampling_rules import MAX_LOGPROBS, row_sampling_problem
 from epserve.models.traits import EpCommandFailed, RowSampling
 from epserve.worker.step_command import (
-    FEED_DEVICE, KIND_DECODE_AHEAD, KIND_SHUTDOWN, KIND_STEP, NewSeq, StepCommand,
+    FEED_DEVICE, KIND_DECODE_AHEAD, KIND_SHUTDOWN, KIND_STEP, MAX_DRAFT_TOKENS, NewSeq,
+    StepCommand,
 )
 
 
@@ -55,6 +56,7 @@ class EpMirror:
         self.next_step = 0
         # the last validated command's decode rows: flat keys and positions (KV lengths)
         self.decode_keys = self.decode_pos = np.zeros(0, dtype=np.int64)
+        self.verify_pos: list[int] = []  # and each verify row's first position
 
     def num_blocks_of(self, key: tuple[int, int]) -> int:
         return int(self.nblocks[key])
@@ -72,6 +74,8 @@ class EpMirror:
             fail(f"unknown command kind {cmd.kind}")
         if cmd.kind == KIND_DECODE_AHEAD and not self.lookahead:
             fail("a decode-ahead step, but this rank runs no decode lookahead")
+        if cmd.kind == KIND_DECODE_AHEAD and cmd.verify:
+            fail("a decode-ahead step with verify rows")
         # the arrays are copied only where the command changes them (validate changes nothing)
         live = self.live.copy() if cmd.releases or cmd.new_seqs else self.live
         for r in cmd.releases:
@@ -85,8 +89,11 @@ class EpMirror:
         for u in cmd.sampling_updates:
             key = self._live(u.rank, u.slot, live, fail, "sampling update")
             self._check_sampling(u.sampling, fail, key)
-        blocks = self._check_blocks(cmd, live, fail)
-        self._check_rows(cmd, live, blocks, fail)
+        lens = self.seq_len.copy() if cmd.new_seqs or cmd.rewinds else self.seq_len
+        for n in cmd.new_seqs:
+            lens[n.rank, n.slot] = n.seq_len
+        blocks = self._check_blocks(cmd, live, lens, fail)
+        self._check_rows(cmd, live, blocks, lens, fail)
 
     def _key(self, rank: int, slot: int, fail: "_Failer", what: str) -> tuple[int, int]:
         if not 0 <= rank < self.world_size:
@@ -118,10 +125,22 @@ class EpMirror:
         if found is not None:
             fail(f"sampling of {key}: {found[0]} {found[1]}", key)
 
-    def _check_blocks(self, cmd: StepCommand, live: np.ndarray, fail: "_Failer") -> np.ndarray:
-        counts = self.nblocks.copy() if cmd.new_seqs or cmd.block_updates else self.nblocks
+    def _check_blocks(self, cmd: StepCommand, live: np.ndarray, lens: np.ndarray,
+                      fail: "_Failer") -> np.ndarray:
+        """Block counts after the command's rewinds and block updates (``lens``: KV lengths,
+        rewound here)."""
+        counts = (self.nblocks.copy() if cmd.new_seqs or cmd.block_updates or cmd.rewinds
+                  else self.nblocks)
         for n in cmd.new_seqs:
             counts[n.rank, n.slot] = 0
+        for r in cmd.rewinds:  # back, never forward: to fewer tokens in fewer blocks
+            key = self._live(r.rank, r.slot, live, fail, "rewind")
+            if not (0 <= r.seq_len <= lens[key]
+                    and -(-r.seq_len // self.block_size) <= r.nblocks <= counts[key]):
+                fail(f"rewind of {key} to {r.seq_len} tokens in {r.nblocks} blocks: it has "
+                     f"{lens[key]} tokens in {counts[key]} blocks", key)
+            counts[key] = r.nblocks
+            lens[key] = r.seq_len
         for b in cmd.block_updates:
             key = self._live(b.rank, b.slot, live, fail, "block update")
             if b.first != counts[key]:
@@ -137,13 +156,12 @@ class EpMirror:
         return counts
 
     def _check_rows(self, cmd: StepCommand, live: np.ndarray, blocks: np.ndarray,
-                    fail: "_Failer") -> None:
-        lens = self.seq_len.copy() if cmd.new_seqs else self.seq_len
-        for n in cmd.new_seqs:
-            lens[n.rank, n.slot] = n.seq_len
+                    lens: np.ndarray, fail: "_Failer") -> None:
         keys = self._check_decode(cmd, live, blocks, lens, fail)
+        seen = set(keys.tolist()) if cmd.prefill or cmd.verify else set()
+        self.verify_pos = self._check_verify(cmd, live, blocks, lens, seen, fail)
         if cmd.prefill:
-            self._check_prefill(cmd, live, blocks, lens, set(keys.tolist()), fail)
+            self._check_prefill(cmd, live, blocks, lens, seen, fail)
         if cmd.masks:
             self._check_masks(cmd, live, keys, fail)
 
@@ -164,6 +182,29 @@ class EpMirror:
                      f"{p.start + len(p.tokens) - 1}", key)
             if any(not 0 <= t < vocab for t in p.tokens) or not -1 <= p.next_token < vocab:
                 fail(f"prefill row {key}: token outside the vocab", key)
+
+    def _check_verify(self, cmd: StepCommand, live: np.ndarray, blocks: np.ndarray,
+                      lens: np.ndarray, seen: set[int], fail: "_Failer") -> list[int]:
+        """Each verify row: a live sequence in no other row, 1..``MAX_DRAFT_TOKENS`` drafts,
+        tokens in the vocab, a KV block for its last position. Returns each row's first
+        position (the sequence's KV length)."""
+        bs, vocab, out = self.block_size, self.vocab_size, []
+        for v in cmd.verify:
+            key = self._live(v.rank, v.slot, live, fail, "verify row")
+            flat = v.rank * self.max_slots + v.slot
+            if flat in seen:
+                fail(f"verify row: sequence {key} appears twice", key)
+            seen.add(flat)
+            k, at = len(v.drafts), int(lens[key])
+            if not 1 <= k <= MAX_DRAFT_TOKENS or v.output_index < 0:
+                fail(f"verify row {key}: {k} drafts (1..{MAX_DRAFT_TOKENS}), output index "
+                     f"{v.output_index}", key)
+            if not FEED_DEVICE <= v.feed < vocab or any(not 0 <= t < vocab for t in v.drafts):
+                fail(f"verify row {key}: token outside the vocab", key)
+            if at + k >= blocks[key] * bs:
+                fail(f"verify row {key}: no KV block for position {at + k}", key)
+            out.append(at)
+        return out
 
     def _check_masks(self, cmd: StepCommand, live: np.ndarray, keys: np.ndarray,
                      fail: "_Failer") -> None:
@@ -238,12 +279,17 @@ class EpMirror:
             self.seq_len[n.rank, n.slot] = n.seq_len
             self.nblocks[n.rank, n.slot] = 0
             self.live[n.rank, n.slot] = True
+        for r in cmd.rewinds:
+            self.seq_len[r.rank, r.slot] = r.seq_len
+            self.nblocks[r.rank, r.slot] = r.nblocks
         for u in cmd.sampling_updates:
             self.slots[(u.rank, u.slot)].sampling = u.sampling
         for b in cmd.block_updates:
             self.nblocks[b.rank, b.slot] = b.first + len(b.blocks)
         if len(self.decode_keys):  # each decode row's position, kept by validate, plus one
             self.seq_len.ravel()[self.decode_keys] = self.decode_pos + 1
+        for v, at in zip(cmd.verify, self.verify_pos):  # KV is written at every position
+            self.seq_len[v.rank, v.slot] = at + len(v.drafts) + 1
         for p in cmd.prefill:
             self.seq_len[p.rank, p.slot] = p.start + len(p.tokens)
 

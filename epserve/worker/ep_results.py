@@ -1,7 +1,7 @@
 """What a rank sends back after a step: its sampled tokens and new prompt logprobs (msgpack).
 
 Invariants: nothing is pickled; a frame is ``[PROTOCOL_VERSION, step_id, rank, sampled,
-sampled alternatives, prompt logprobs, their alternatives]`` read against that layout
+sampled alternatives, prompt logprobs, their alternatives, verified, their alternatives]`` read against that layout
 (``worker.wire``) with the same strict types as commands: fixed-width records (slot and token
 int64, logprob float64), sampled tokens sorted by slot (each slot once), prompt logprobs grouped
 by slot (slots rising, positions in order), at most ``MAX_LOGPROBS`` alternatives an entry;
@@ -13,14 +13,16 @@ most about 2x the frame's size in memory.
 from __future__ import annotations
 
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Iterator, Sequence
 
 import numpy as np
 
 from epserve.models.sampling_rules import MAX_LOGPROBS
 from epserve.models.traits import PromptTokenLogprob, SampledToken
-from epserve.worker.step_command import MAX_FRAME_BYTES, PROTOCOL_VERSION, ProtocolError, WireLimits
+from epserve.worker.step_command import (
+    MAX_DRAFT_TOKENS, MAX_FRAME_BYTES, PROTOCOL_VERSION, ProtocolError, WireLimits,
+)
 from epserve.worker.wire import (
     F64, I64, Table, TableSpec, decode_table, encode_table, pack_frame, read_fields,
 )
@@ -29,13 +31,15 @@ from epserve.worker.wire import (
 @dataclass(frozen=True, slots=True)
 class RankResult:
     """``sampled``: slot -> token for every sampled row of this rank; ``prompt_logprobs``:
-    slot -> the prompt positions scored in this step. Dicts when built by the rank, read-only
-    mappings over the records when decoded (equal either way)."""
+    slot -> the prompt positions scored in this step; ``verified``: slot -> the target's
+    token at each position of a verify row. Dicts when built by the rank, read-only mappings
+    over the records when decoded (equal either way)."""
 
     step_id: int
     rank: int
     sampled: Mapping[int, SampledToken]
     prompt_logprobs: Mapping[int, Sequence[PromptTokenLogprob]]
+    verified: Mapping[int, Sequence[SampledToken]] = field(default_factory=dict)
 
 
 _TOP = np.dtype([("token", I64), ("logprob", F64)])
@@ -57,7 +61,8 @@ def _entries(name: str, make: type) -> TableSpec:
 
 SAMPLED = _entries("sampled", SampledToken)
 PROMPT = _entries("prompt_logprobs", PromptTokenLogprob)
-_LAYOUT = "iii" + "b" * 4
+VERIFIED = _entries("verified", SampledToken)
+_LAYOUT = "iii" + "b" * 6
 _CACHE_ROWS = 4096  # rows a result keeps once read: ~1 MiB with no alternatives, ~11 with 20
 
 
@@ -122,10 +127,11 @@ def encode_result(res: RankResult) -> bytes:
     sampled = sorted(res.sampled.items())
     prompt = [(slot, e) for slot, entries in sorted(res.prompt_logprobs.items())
               for e in entries]
+    verified = [(slot, e) for slot, entries in sorted(res.verified.items()) for e in entries]
     if type(res.step_id) is not int or type(res.rank) is not int:
         raise ProtocolError("result: step_id and rank must be ints")
     body = [PROTOCOL_VERSION, res.step_id, res.rank, *encode_table(SAMPLED, sampled),
-            *encode_table(PROMPT, prompt)]
+            *encode_table(PROMPT, prompt), *encode_table(VERIFIED, verified)]
     return pack_frame(body, MAX_FRAME_BYTES, "result frame")
 
 
@@ -138,7 +144,10 @@ def decode_result(frame: bytes, limits: WireLimits | None = None) -> RankResult:
     try:
         sampled = decode_table(SAMPLED, f[3], f[4], slots, MAX_LOGPROBS)
         prompt = decode_table(PROMPT, f[5], f[6], tokens, MAX_LOGPROBS)
-        return RankResult(f[1], f[2], BySlot(sampled, True), BySlot(prompt, False))
+        verified = decode_table(VERIFIED, f[7], f[8], None if slots is None
+                                else slots * (MAX_DRAFT_TOKENS + 1), MAX_LOGPROBS)
+        return RankResult(f[1], f[2], BySlot(sampled, True), BySlot(prompt, False),
+                          BySlot(verified, False))
     except ProtocolError:
         raise
     except Exception as exc:  # defensive: no other exception type may escape

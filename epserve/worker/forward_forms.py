@@ -1,7 +1,7 @@
 """The seed's forward forms and logits reads over one ``mixed_forward_batch``.
 
 Owns ``prefill``, ``prefill_chunk``, ``decode``, ``decode_batch``, ``mixed_forward``,
-``prefill_batch_chunk`` (each one call of ``mixed_forward_batch``) and ``argmax_batch`` /
+``prefill_batch_chunk``, ``decode_verify_batched`` (each one call of ``mixed_forward_batch``) and ``argmax_batch`` /
 ``argmax_batch_masked`` over a logits tensor, written once for every class that implements
 ``mixed_forward_batch`` (the one-rank runner and the EP leader), so both are a whole
 ``models.traits.Model``. Invariant: every form is exactly the step ``mixed_forward_batch`` runs.
@@ -15,7 +15,7 @@ import torch
 
 from epserve.models.traits import (
     MixedBatchResult, MixedForwardResult, PrefillSlice, RowMask, SampledToken, SequenceState,
-    ROW_MASK_NONE,
+    VerifyBatchedOpts, ROW_MASK_NONE,
 )
 
 
@@ -55,6 +55,28 @@ class ForwardForms:
     def prefill_batch_chunk(self, slices: Sequence[PrefillSlice]
                             ) -> tuple[SampledToken | None, ...]:
         return self.mixed_forward_batch((), (), slices).prefill
+
+    def decode_verify_batched(self, tokens: Sequence[int], ks: Sequence[int],
+                              seqs: Sequence[SequenceState],
+                              opts: VerifyBatchedOpts = VerifyBatchedOpts()
+                              ) -> tuple[tuple[SampledToken, ...], ...]:
+        """``tokens``: per sequence its last token then its ``ks[i]`` drafts. The target's
+        token at every position, per sequence; each sequence keeps the accepted prefix."""
+        if opts.write_on_accept:
+            raise ValueError("VerifyBatchedOpts.write_on_accept defers recurrent-state writes "
+                             "of gated-DeltaNet layers; this model has none")
+        if len(ks) != len(seqs) or sum(k + 1 for k in ks) != len(tokens) or min(ks, default=0) < 0:
+            raise ValueError(f"decode_verify_batched: {len(tokens)} tokens do not split into "
+                             f"{len(seqs)} sequences of 1 + ks={list(ks)}")
+        lasts, drafts, at = [], [], 0
+        for k in ks:
+            lasts.append(tokens[at])
+            drafts.append(tuple(tokens[at + 1:at + 1 + k]))
+            at += k + 1
+        res = self.mixed_forward_batch(lasts, seqs, (), drafts)
+        if res.failed:
+            raise ValueError(f"decode_verify_batched: rows refused: {res.failed}")
+        return tuple(res.verified.get(i, (tok,)) for i, tok in enumerate(res.decode))
 
     def argmax_batch(self, logits: Any) -> list[int]:
         return [int(i) for i in torch.argmax(logits, dim=-1).tolist()]

@@ -102,6 +102,15 @@ class KvBook:
         return True
 
 
+    def trim(self, seq: SequenceState, num_tokens: int) -> int:
+        """Give back ``seq``'s blocks past those covering ``num_tokens`` positions (a verify's
+        rejected tail); the blocks kept."""
+        keep = -(-num_tokens // self.block_size)
+        if keep < len(seq.block_table):
+            self.pools[seq.rank].free(seq.block_table[keep:])
+            del seq.block_table[keep:]
+        return len(seq.block_table)
+
     def cache_sequence(self, seq: SequenceState) -> None:
         self.pools[seq.rank].cache_blocks(seq.tokens, seq.block_table, seq.seq_len,
                                           seq.adapter_id)

@@ -20,8 +20,9 @@ from typing import Any
 import numpy as np
 
 from epserve.kernels.token_mask import mask_words
+from epserve.models.acceptance import accepted
 from epserve.models.traits import EpCommandFailed, RowSampling
-from epserve.worker.batch import RankRows, StepInputs
+from epserve.worker.batch import RankRows, StepInputs, VerifyRun
 from epserve.worker.ep_mirror import EpMirror
 from epserve.worker.ep_results import RankResult, encode_result
 from epserve.worker.runner import Runner
@@ -128,19 +129,30 @@ class RankExecutor:
             mine = rank == me
             slot, feed, oidx, pos = slot[mine], feed[mine], oidx[mine], pos[mine]
         prefill = [p for p in cmd.prefill if p.rank == me]
-        if not len(slot) and not prefill:
+        verify = [self._verify_run(v, at) for v, at in zip(cmd.verify, self.mirror.verify_pos)
+                  if v.rank == me]
+        if not len(slot) and not prefill and not verify:
             return None
         ids = np.where(feed == FEED_DEVICE, self.last_token[slot], feed)
         samp = self.sampling
         sampling = [samp[s] for s in slot.tolist()]
         output_index = oidx.tolist()
+        for v in verify:
+            sampling.extend([samp[v.slot]] * len(v.tokens))
+            output_index.extend(range(v.output_index, v.output_index + len(v.tokens)))
         for p in prefill:
             if p.sample:
                 sampling.append(samp[p.slot])
                 output_index.append(p.output_index)
         rows = RankRows(slot, pos, ids, prefill, sampling, output_index,
-                        [self._prompt_logprobs(p) for p in prefill])
+                        [self._prompt_logprobs(p) for p in prefill], verify=verify)
         return self._with_masks(rows, cmd) if cmd.masks else rows
+
+    def _verify_run(self, v: Any, at: int) -> VerifyRun:
+        feed = int(self.last_token[v.slot]) if v.feed == FEED_DEVICE else v.feed
+        drafts = tuple(int(t) for t in v.drafts)
+        return VerifyRun(v.slot, at, np.array((feed,) + drafts, dtype=np.int64), v.output_index,
+                         drafts)
 
     def _with_masks(self, rows: RankRows, cmd: StepCommand) -> RankRows:
         """``rows`` with this rank's token masks, each at its row's place among the sampled
@@ -149,7 +161,7 @@ class RankExecutor:
         if not masks:
             return rows
         place = {s: i for i, s in enumerate(rows.decode_slots.tolist())}
-        nd = len(place)
+        nd = len(place) + sum(len(v.tokens) for v in rows.verify)  # no mask on a verify row
         place.update((p.slot, nd + k) for k, p in enumerate(p for p in rows.prefill if p.sample))
         return dataclasses.replace(
             rows, mask_rows=np.array([place[m.slot] for m in masks], dtype=np.int64),
@@ -177,13 +189,20 @@ class RankExecutor:
         out = self.runner.execute(rows, inp, ahead, nblocks)
         self.last_logits = out.logits
         nd = rows.num_decode
+        tokens = out.tokens
+        verified: dict[int, list] = {}
+        for v in rows.verify:  # the target's token at each position; the accepted prefix is
+            n = len(v.tokens)  # the drafts it equals, and the token after them is emitted
+            run = verified[v.slot] = tokens[nd:nd + n]
+            tokens = tokens[:nd] + tokens[nd + n:]
+            self.last_token[v.slot] = run[accepted(v.drafts, run)].token_id
         slots = rows.decode_slots.tolist() + [p.slot for p in rows.prefill if p.sample]
-        sampled = dict(zip(slots, out.tokens))
+        sampled = dict(zip(slots, tokens))
         if nd:
-            self.last_token[rows.decode_slots] = [t.token_id for t in out.tokens[:nd]]
-        for s, tok in zip(slots[nd:], out.tokens[nd:]):
+            self.last_token[rows.decode_slots] = [t.token_id for t in tokens[:nd]]
+        for s, tok in zip(slots[nd:], tokens[nd:]):
             self.last_token[s] = tok.token_id
-        return RankResult(cmd.step_id, me, sampled, out.prompt_logprobs)
+        return RankResult(cmd.step_id, me, sampled, out.prompt_logprobs, verified)
 
     # ------------------------------------------------------------------ worker loop
 

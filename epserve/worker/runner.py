@@ -138,13 +138,14 @@ class Runner:
         plps: dict[int, list[PromptTokenLogprob]] = {}
         if hidden is None:
             assert inp is not None
-            if self.graphs is not None and not rows.prefill and self.graphs.covers_rows(
+            if self.graphs is not None and not rows.chunked and self.graphs.covers_rows(
                     rows.num_decode):
                 hidden = self.graphs.run(inp)  # [n, H]
             else:
                 hidden = self._forward(inp.input_ids, inp.positions, inp.meta)  # [T, H]
-            if rows.prefill:
-                plps = self._prompt_logprobs(rows, hidden, inp.meta.query_start_loc)
+            if rows.chunked:
+                if rows.prefill:
+                    plps = self._prompt_logprobs(rows, hidden, inp.meta.query_start_loc)
                 hidden = hidden[inp.sample_index]
         if not rows.sampling:
             return RankOutput([], plps, None)
@@ -163,7 +164,7 @@ class Runner:
                          qsl: tuple[int, ...]) -> dict[int, list[PromptTokenLogprob]]:
         """Score each collecting prefill row's prompt positions; ``qsl``: row starts in hidden."""
         out: dict[int, list[PromptTokenLogprob]] = {}
-        nd = rows.num_decode
+        nd = rows.num_decode + len(rows.verify)  # the rows before the chunks
         for r, want in enumerate(rows.prompt_logprobs):
             if want is None:
                 continue

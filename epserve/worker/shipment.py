@@ -35,6 +35,8 @@ class RankView:
         self.sampling: list[Any] = [None] * n
         self.last_token = [_NO_TOKEN] * n
         self.pending_releases: set[tuple[int, int]] = set()
+        # (rank, slot) -> (seq_len, nblocks) the ranks must rewind to (after a verify)
+        self.pending_rewinds: dict[tuple[int, int], tuple[int, int]] = {}
 
     def flat(self, seq: SequenceState) -> int:
         return seq.rank * self.max_slots + seq.slot_idx
@@ -44,10 +46,22 @@ class RankView:
         told to release it."""
         if known:
             self.pending_releases.add((rank, slot))
+        self.pending_rewinds.pop((rank, slot), None)
         f = rank * self.max_slots + slot
         self.nblocks[f] = _UNKNOWN
         self.sampling[f] = None
         self.last_token[f] = _NO_TOKEN
+
+    def rewound(self, seq: SequenceState) -> None:
+        """``seq`` keeps fewer tokens (and maybe blocks) than the ranks hold for it: tell them
+        with the next command."""
+        self.pending_rewinds[(seq.rank, seq.slot_idx)] = (seq.seq_len, len(seq.block_table))
+        self.nblocks[self.flat(seq)] = len(seq.block_table)
+
+    def feed(self, seq: SequenceState, token: int) -> int:
+        """The token a row feeds ``seq``, as it travels: ``FEED_DEVICE`` when it is the one
+        the slot sampled last."""
+        return FEED_DEVICE if self.last_token[self.flat(seq)] == token else token
 
     def sampled(self, flats: Sequence[int], tokens: Sequence[int]) -> None:
         """The tokens these slots sampled in the step that just ran."""
@@ -110,10 +124,13 @@ class Shipment:
                                            tuple(seq.block_table[shipped:])))
             self._blocks_sent[f] = n
 
-    def commit(self, releases: Sequence[Any]) -> None:
+    def commit(self, releases: Sequence[Any], rewinds: Sequence[Any] = ()) -> None:
         """Every rank ran the command: what it shipped (and released) is known everywhere."""
         view = self.view
         view.pending_releases.difference_update((r.rank, r.slot) for r in releases)
+        for r in rewinds:
+            if view.pending_rewinds.get((r.rank, r.slot)) == (r.seq_len, r.nblocks):
+                del view.pending_rewinds[(r.rank, r.slot)]
         for f, s in self._sampling_sent.items():
             view.sampling[f] = s
         for f, n in self._blocks_sent.items():

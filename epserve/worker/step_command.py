@@ -16,6 +16,8 @@ decode feeds (a token id, or ``FEED_DEVICE``: the token this rank sampled for th
 step), new block-table entries, sampling updates, releases. A row whose output is constrained
 (structured output) carries its allowed tokens every step it samples (``MaskRow``: the packed
 bitmask, ``ceil(vocab / 32)`` int32 words, bit ``t % 32`` of word ``t // 32`` for token ``t``).
+A speculative verify row (``VerifyRow``) feeds a decode row's token and its drafted tokens in
+one go; the next command rewinds the sequence to what was accepted (``Rewind``).
 """
 
 from __future__ import annotations
@@ -33,7 +35,8 @@ from epserve.worker.wire import (
     pack_frame, read_fields,
 )
 
-PROTOCOL_VERSION = 3  # 2: row tables of fixed-width records; 3: token-mask rows
+PROTOCOL_VERSION = 4  # 2: row tables of fixed-width records; 3: token-mask rows; 4: verify
+MAX_DRAFT_TOKENS = 16  # drafted tokens one verify row may carry
 MAX_FRAME_BYTES = 64 * 2**20
 FEED_DEVICE = -1  # a decode row's token is the one its rank sampled for the slot last step
 
@@ -185,6 +188,32 @@ class PrefillRow:
     next_token: int
 
 
+@dataclass(frozen=True, slots=True)
+class VerifyRow:
+    """A decode row with ``drafts``: ``feed`` (a token id or ``FEED_DEVICE``) at the sequence's
+    KV length L and drafted token i at L + 1 + i; every position samples (draw ``output_index
+    + i``), so the rank returns the target's token at each of the ``len(drafts) + 1``
+    positions and KV is written for all of them. What was accepted comes back as a
+    ``Rewind`` in a later command."""
+
+    rank: int
+    slot: int
+    feed: int
+    output_index: int
+    drafts: Sequence[int]
+
+
+@dataclass(frozen=True, slots=True)
+class Rewind:
+    """The sequence in ``slot`` keeps KV for its first ``seq_len`` tokens and its first
+    ``nblocks`` block-table entries (after a verify: the accepted prefix)."""
+
+    rank: int
+    slot: int
+    seq_len: int
+    nblocks: int
+
+
 @dataclass(frozen=True, slots=True, eq=False)
 class MaskRow:
     """The tokens ``slot``'s row may sample this step: ``words`` [ceil(V / 32)] int32 (a
@@ -202,19 +231,21 @@ class MaskRow:
 @dataclass(frozen=True, slots=True)
 class StepCommand:
     """Everything every rank needs for one step, in apply order: releases, new sequences,
-    sampling updates, block updates, then the rows (decode rows first, then prefill), then
-    the token masks of the constrained sampled rows. Row fields are tuples when built by the
+    rewinds, sampling updates, block updates, then the rows (decode rows, verify rows, then
+    prefill), then the token masks of the constrained sampled rows. Row fields are tuples when built by the
     leader, ``wire.Table`` when decoded (equal either way)."""
 
     step_id: int
     kind: int = KIND_STEP
     releases: Sequence[Release] = ()
     new_seqs: Sequence[NewSeq] = ()
+    rewinds: Sequence[Rewind] = ()
     sampling_updates: Sequence[SamplingUpdate] = ()
     block_updates: Sequence[BlockUpdate] = ()
     decode: DecodeRows = field(default_factory=DecodeRows)
     prefill: Sequence[PrefillRow] = ()
     masks: Sequence[MaskRow] = ()
+    verify: Sequence[VerifyRow] = ()
 
     def __post_init__(self) -> None:
         if not isinstance(self.decode, DecodeRows):  # a tuple of DecodeRow is accepted too
@@ -262,6 +293,14 @@ PREFILL = ids_spec(
     lambda p: p.tokens,
     lambda v, ids: PrefillRow(v[0], v[1], v[2], ids, bool(v[3]), v[4], v[5]))
 
+REWINDS = TableSpec("rewinds", np.dtype([("rank", I64), ("slot", I64), ("seq_len", I64),
+                                         ("nblocks", I64)]),
+                    lambda r: (r.rank, r.slot, r.seq_len, r.nblocks), lambda v, _: Rewind(*v),
+                    "iiii")
+VERIFY = ids_spec(
+    "verify", [("rank", I64), ("slot", I64), ("feed", I64), ("output_index", I64)], "iiii",
+    lambda v: (v.rank, v.slot, v.feed, v.output_index), lambda v: v.drafts,
+    lambda v, ids: VerifyRow(v[0], v[1], v[2], v[3], ids))
 
 
 def _mask_words(rows: list) -> np.ndarray:
@@ -281,8 +320,9 @@ TOKEN_MASKS = TableSpec(
     np.dtype("<i4"), lambda m: m.words, _mask_words)
 
 # version, step_id, kind, releases, new_seqs (+ banned), sampling_updates (+ banned),
-# block_updates (+ block ids), decode rows, prefill (+ tokens), token masks (+ words)
-_LAYOUT = "iii" + "b" * 12
+# block_updates (+ block ids), decode rows, prefill (+ tokens), token masks (+ words),
+# rewinds, verify rows (+ drafts)
+_LAYOUT = "iii" + "b" * 15
 
 
 # --------------------------------------------------------------------------- encode / decode
@@ -302,6 +342,8 @@ def encode(cmd: StepCommand) -> bytes:
     body.append(cmd.decode.to_bytes())
     body.extend(encode_table(PREFILL, cmd.prefill))
     body.extend(encode_table(TOKEN_MASKS, cmd.masks))
+    body.extend(b for b in encode_table(REWINDS, cmd.rewinds) if b is not None)
+    body.extend(encode_table(VERIFY, cmd.verify))
     return pack_frame(body, MAX_FRAME_BYTES, "frame")
 
 
@@ -321,14 +363,17 @@ def decode(frame: bytes, limits: WireLimits | None = None) -> StepCommand:
             decode=DecodeRows.from_bytes(f[10], rows),
             prefill=decode_table(PREFILL, f[11], f[12], rows),
             masks=decode_table(TOKEN_MASKS, f[13], f[14], rows,
-                               None if limits is None else limits.mask_words))
+                               None if limits is None else limits.mask_words),
+            rewinds=decode_table(REWINDS, f[15], None, rows),
+            verify=decode_table(VERIFY, f[16], f[17], rows, MAX_DRAFT_TOKENS))
     except ProtocolError:
         raise
     except Exception as exc:  # defensive: no other exception type may escape
         raise ProtocolError(f"malformed frame: {type(exc).__name__}: {exc}") from None
     if limits is not None:
-        if len(cmd.decode) + len(cmd.prefill) > rows:
-            raise ProtocolError(f"{len(cmd.decode) + len(cmd.prefill)} rows exceed {rows}")
+        n = len(cmd.decode) + len(cmd.prefill) + len(cmd.verify)
+        if n > rows:
+            raise ProtocolError(f"{n} rows exceed {rows}")
         tokens = len(cmd.prefill.flat)
         if limits.max_step_tokens is not None and tokens > limits.max_step_tokens:
             raise ProtocolError(f"{tokens} prefill tokens exceed {limits.max_step_tokens}")

@@ -29,9 +29,10 @@ from epserve.worker.rank_executor import RankExecutor, SoloComm
 from epserve.worker.runner import Runner
 from epserve.worker.runner_config import RunnerConfig
 from epserve.worker.shipment import RankView, Shipment
+from epserve.models.acceptance import accepted
 from epserve.worker.step_command import (
-    KIND_DECODE_AHEAD, KIND_SHUTDOWN, KIND_STEP, MaskRow, PrefillRow, Release, StepCommand,
-    encode,
+    KIND_DECODE_AHEAD, KIND_SHUTDOWN, KIND_STEP, MaskRow, PrefillRow, Release, Rewind,
+    StepCommand, VerifyRow, encode,
 )
 
 log = logging.getLogger(__name__)
@@ -107,7 +108,7 @@ class StepModel(ForwardForms, KvLifecycle):
 
     def capabilities(self) -> frozenset[str]:
         extra = {"ep"} if self.world_size > 1 else {"logits"}
-        return frozenset({"forward", "lifecycle", "streams", "circuit"} | extra)
+        return frozenset({"forward", "lifecycle", "streams", "circuit", "verify"} | extra)
 
     def forward_disclosure(self) -> ForwardDisclosure:
         return ForwardDisclosure()
@@ -179,21 +180,26 @@ class StepModel(ForwardForms, KvLifecycle):
 
     def mixed_forward_batch(self, decode_tokens: Sequence[int],
                             decode_seqs: Sequence[SequenceState],
-                            prefill_slices: Sequence[PrefillSlice]) -> MixedBatchResult:
-        """One step on every rank. When the ranks refuse the command because of one sequence's
-        rows (``EpCommandFailed.bad_rows``), only that sequence fails: it is left out and the
-        step is issued again with the others, so one request never fails the rest of its step.
-        A refusal that names no sequence of this step fails the whole step."""
+                            prefill_slices: Sequence[PrefillSlice],
+                            drafts: Sequence[Sequence[int]] | None = None) -> MixedBatchResult:
+        """One step on every rank. ``drafts``: per decode row its drafted tokens (empty: a
+        plain decode row); such a row is verified (``MixedBatchResult.verified``) and its
+        sequence keeps the accepted prefix. When the ranks refuse the command because of one
+        sequence's rows (``EpCommandFailed.bad_rows``), only that sequence fails: it is left
+        out and the step is issued again with the others, so one request never fails the rest
+        of its step. A refusal that names no sequence of this step fails the whole step."""
         failed: dict[tuple[int, int], str] = {}
         keys: set[tuple[int, int]] | None = None
         strangers = 0  # refusals naming a row that is none of this step's sequences
-        dt, ds, ps = decode_tokens, decode_seqs, prefill_slices
+        if drafts is not None and len(drafts) != len(decode_seqs):
+            raise ValueError(f"{len(drafts)} draft lists for {len(decode_seqs)} decode rows")
+        dt, ds, ps, dr = decode_tokens, decode_seqs, prefill_slices, drafts
         while True:
             if not ds and not ps:
                 results: list[RankResult] = []
                 break
             try:
-                results = self._issue(dt, ds, ps)
+                results = self._issue(dt, ds, ps, dr)
                 break
             except EpCommandFailed as exc:
                 if keys is None:
@@ -208,13 +214,16 @@ class StepModel(ForwardForms, KvLifecycle):
                               for k in bad)
             ok = [i for i, s in enumerate(decode_seqs) if _key(s) not in failed]
             dt, ds = [decode_tokens[i] for i in ok], [decode_seqs[i] for i in ok]
+            dr = None if drafts is None else [drafts[i] for i in ok]
             ps = [sl for sl in prefill_slices if _key(sl.seq) not in failed]
-        return self._assemble(decode_tokens, decode_seqs, prefill_slices, results, failed)
+        return self._assemble(decode_tokens, decode_seqs, prefill_slices, results, failed,
+                              drafts)
 
     def _issue(self, decode_tokens: Sequence[int], decode_seqs: Sequence[SequenceState],
-               prefill_slices: Sequence[PrefillSlice]) -> list[RankResult]:
+               prefill_slices: Sequence[PrefillSlice],
+               drafts: Sequence[Sequence[int]] | None = None) -> list[RankResult]:
         """Build and run one command on every rank; every rank's result."""
-        cmd = self.build_command(decode_tokens, decode_seqs, prefill_slices)
+        cmd = self.build_command(decode_tokens, decode_seqs, prefill_slices, drafts)
         if self._fault is not None:
             cmd, self._fault = self._fault(cmd, self.rank0.mirror), None
         self.last_round = time.monotonic()
@@ -229,15 +238,15 @@ class StepModel(ForwardForms, KvLifecycle):
 
     def _commit(self, cmd: StepCommand) -> None:
         """Every rank applied ``cmd``: what it shipped is now known everywhere."""
-        self._shipment.commit(cmd.releases)
+        self._shipment.commit(cmd.releases, cmd.rewinds)
 
     def _ahead(self, decode_seqs: Sequence[SequenceState],
-               prefill_slices: Sequence[PrefillSlice]) -> bool:
+               prefill_slices: Sequence[PrefillSlice], verify: bool) -> bool:
         """Whether this step may queue its successor (``KIND_DECODE_AHEAD``): rank 0 runs a
         decode lookahead, the step is pure decode, every row's next token is not known to be
         its last, and each row's next position gets its KV block now (it travels with the
         step; the scheduler would reserve it before the next step anyway)."""
-        if self.runner.lookahead is None or prefill_slices or not decode_seqs:
+        if self.runner.lookahead is None or prefill_slices or verify or not decode_seqs:
             return False
         limit = self.max_model_len - 2
         if not all(s.lookahead and s.seq_len <= limit for s in decode_seqs):
@@ -246,10 +255,22 @@ class StepModel(ForwardForms, KvLifecycle):
         return all(reserve(s, s.seq_len + 2) for s in decode_seqs)
 
     def build_command(self, decode_tokens: Sequence[int], decode_seqs: Sequence[SequenceState],
-                      prefill_slices: Sequence[PrefillSlice]) -> StepCommand:
+                      prefill_slices: Sequence[PrefillSlice],
+                      drafts: Sequence[Sequence[int]] | None = None) -> StepCommand:
         """The next command: the scheduler's rows plus what the ranks do not know yet."""
-        kind = KIND_DECODE_AHEAD if self._ahead(decode_seqs, prefill_slices) else KIND_STEP
         ship = self._shipment = Shipment(self.view)
+        verify = []
+        if drafts is not None and any(drafts):
+            plain = [i for i, d in enumerate(drafts) if not d]
+            for tok, seq, d in zip(decode_tokens, decode_seqs, drafts):
+                if d:
+                    ship.sequence(seq)
+                    verify.append(VerifyRow(seq.rank, seq.slot_idx, self.view.feed(seq, tok),
+                                            seq.output_index, tuple(d)))
+            decode_tokens = [decode_tokens[i] for i in plain]
+            decode_seqs = [decode_seqs[i] for i in plain]
+        kind = (KIND_DECODE_AHEAD if self._ahead(decode_seqs, prefill_slices, bool(verify))
+                else KIND_STEP)
         decode = ship.decode_rows(decode_tokens, decode_seqs)
         prefill, masks = [], [MaskRow(s.rank, s.slot_idx, s.token_mask) for s in decode_seqs
                               if s.token_mask is not None]
@@ -268,15 +289,19 @@ class StepModel(ForwardForms, KvLifecycle):
             releases=tuple(Release(r, s) for r, s in sorted(self.view.pending_releases)),
             new_seqs=tuple(ship.new), sampling_updates=tuple(ship.sampling),
             block_updates=tuple(ship.blocks), decode=decode, prefill=tuple(prefill),
-            masks=tuple(masks))
+            masks=tuple(masks), verify=tuple(verify),
+            rewinds=tuple(Rewind(r, s, n, b) for (r, s), (n, b)
+                          in sorted(self.view.pending_rewinds.items())))
 
     def _assemble(self, decode_tokens: Sequence[int], decode_seqs: Sequence[SequenceState],
                   prefill_slices: Sequence[PrefillSlice], results: list[RankResult],
-                  failed: dict[tuple[int, int], str]) -> MixedBatchResult:
+                  failed: dict[tuple[int, int], str],
+                  drafts: Sequence[Sequence[int]] | None = None) -> MixedBatchResult:
         """The step's result in the caller's row order, each sequence advanced past it; rows
         of ``failed`` sequences did not run (placeholders, listed in
         ``MixedBatchResult.failed``)."""
         out_decode: list[SampledToken] = []
+        verified: dict[int, tuple[SampledToken, ...]] = {}
         errors: dict[int, str] = {}
         flats: list[int] = []  # the slots that sampled, and their tokens
         got_ids: list[int] = []
@@ -286,18 +311,22 @@ class StepModel(ForwardForms, KvLifecycle):
                 errors[i] = failed[(seq.rank, seq.slot_idx)]
                 out_decode.append(SampledToken(-1))
                 continue
-            got = results[seq.rank].sampled[seq.slot_idx]
-            seq.tokens.append(tok)
-            seq.seq_len += 1
-            seq.kv_valid_tokens = seq.seq_len
+            if drafts is not None and drafts[i]:
+                got = self._verified(tok, seq, drafts[i], results[seq.rank], verified, i)
+            else:
+                got = results[seq.rank].sampled[seq.slot_idx]
+                seq.tokens.append(tok)
+                seq.seq_len += 1
+                seq.kv_valid_tokens = seq.seq_len
             out_decode.append(got)
-        if not failed and decode_seqs:
+        if not failed and decode_seqs and not verified:
             flats = [flat(s) for s in decode_seqs]
             got_ids = [t.token_id for t in out_decode]
         elif decode_seqs:
             ok = [i for i in range(len(decode_seqs)) if i not in errors]
             flats = [flat(decode_seqs[i]) for i in ok]
-            got_ids = [out_decode[i].token_id for i in ok]
+            got_ids = [out_decode[i].token_id if i not in verified else
+                       verified[i][accepted(drafts[i], verified[i])].token_id for i in ok]
         out_prefill: list[SampledToken | None] = []
         for j, sl in enumerate(prefill_slices):
             seq, end = sl.seq, sl.chunk_start + sl.chunk_len
@@ -316,12 +345,29 @@ class StepModel(ForwardForms, KvLifecycle):
                 got_ids.append(got.token_id)
             out_prefill.append(got)
         self.view.sampled(flats, got_ids)
-        logits = self.rank0.last_logits if self.world_size == 1 and not failed else None
+        logits = (self.rank0.last_logits if self.world_size == 1 and not failed and not verified
+                  else None)
         nd = len(decode_seqs)
         return MixedBatchResult(
             decode=tuple(out_decode), prefill=tuple(out_prefill), failed=errors,
+            verified=verified,
             decode_logits=logits[:nd] if logits is not None and nd else None,
             prefill_logits=logits[nd:] if logits is not None and logits.shape[0] > nd else None)
+
+    def _verified(self, tok: int, seq: SequenceState, drafts: Sequence[int], res: RankResult,
+                  verified: dict[int, tuple[SampledToken, ...]], i: int) -> SampledToken:
+        """Advance a verified row's sequence past its accepted prefix, give back the blocks of
+        the rejected tail and have the ranks rewind to it; the row's first token."""
+        run = verified[i] = tuple(res.verified[seq.slot_idx])
+        a = accepted(drafts, run)
+        seq.tokens.append(tok)
+        seq.tokens.extend(drafts[:a])
+        seq.seq_len += 1 + a
+        seq.kv_valid_tokens = seq.seq_len
+        held = len(seq.block_table)
+        if self.book.trim(seq, seq.seq_len) < held or a < len(drafts):
+            self.view.rewound(seq)
+        return run[0]
 
     def shutdown_workers(self) -> None:
         """Tell every worker to leave its loop (best effort)."""

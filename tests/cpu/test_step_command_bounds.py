@@ -184,7 +184,7 @@ def test_mutated_big_frames_cost_at_most_4x(frame, rng):
 
 def _bins(**bins) -> bytes:
     order = ["rel", "new", "new_ids", "upd", "upd_ids", "blk", "blk_ids", "dec", "pre", "pre_ids",
-             "msk", "msk_ids"]
+             "msk", "msk_ids", "rew", "ver", "ver_ids"]
     return msgpack.packb([V, 0, 0] + [bins.get(k, b"") for k in order], use_bin_type=True)
 
 
@@ -205,11 +205,16 @@ def _recs(spec, n: int, count: int = 0) -> bytes:
     ("command", lambda n: _bins(blk=_recs(P.BLOCK_UPDATES, n // 40, 1),
                                 blk_ids=bytes(4 * (n // 40)))),
     ("command", lambda n: _bins(msk=_recs(P.TOKEN_MASKS, 1, n // 4), msk_ids=bytes(4 * (n // 4)))),
+    ("command", lambda n: _bins(rew=bytes(n))),
+    ("command", lambda n: _bins(ver=_recs(P.VERIFY, n // 44, 1), ver_ids=bytes(4 * (n // 44)))),
     ("result", lambda n: msgpack.packb([V, 0, 0, _recs(R.SAMPLED, n // 48, 1),
-                                        bytes(16 * (n // 48)), b"", b""])),
+                                        bytes(16 * (n // 48)), b"", b"", b"", b""])),
     ("result", lambda n: msgpack.packb([V, 0, 0, b"", b"", _recs(R.PROMPT, n // 48, 1),
-                                        bytes(16 * (n // 48))])),
-], ids=["decode", "releases", "new_seqs", "tokens", "blocks", "masks", "sampled", "prompt"])
+                                        bytes(16 * (n // 48)), b"", b""])),
+    ("result", lambda n: msgpack.packb([V, 0, 0, b"", b"", b"", b"",
+                                        _recs(R.VERIFIED, n // 48, 1), bytes(16 * (n // 48))])),
+], ids=["decode", "releases", "new_seqs", "tokens", "blocks", "masks", "rewinds", "verify",
+        "sampled", "prompt", "verified"])
 def test_big_well_formed_frames_cost_at_most_4x(which, make):
     """Frames the layout accepts (millions of rows, ids or alternatives) decode within bounds:
     their rows stay records until read."""

@@ -80,7 +80,8 @@ def test_row_mask_none_is_u32_max():
 
 SEED_FIELDS = {
     "PrefillSlice": ["prompt_tokens", "seq", "chunk_start", "chunk_len", "is_last_chunk"],
-    "MixedBatchResult": ["decode", "prefill", "decode_logits", "prefill_logits", "failed"],
+    "MixedBatchResult": ["decode", "prefill", "decode_logits", "prefill_logits", "failed",
+                         "verified"],
     "MixedForwardResult": ["decode", "prefill", "decode_logits", "prefill_logits"],
     "PrefixReclaim": ["target", "free"],
     "BeamReq": ["tokens", "max_new_tokens", "num_beams", "length_penalty", "early_stopping",
