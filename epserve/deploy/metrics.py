@@ -3,7 +3,8 @@
 Invariants: gauges and counters are read from ``HeadActor.stats()`` at scrape time (the engine
 is their single source of truth, so every ingress replica reports the same values);
 latency histograms are observed in this ingress from stream timing; every series carries the
-``model_name`` label, as vLLM's do; each ingress owns its own registry (no global state).
+``model_name`` label, as vLLM's do; each ingress owns its own registry (no global state);
+the speculative-decoding counters exist only on a server with a speculative_config, as in vLLM.
 """
 
 from __future__ import annotations
@@ -43,6 +44,16 @@ ITL_BUCKETS = (0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.
 #: vLLM's token-count buckets (1, 2, 5 times powers of ten up to the context length).
 TOKEN_BUCKETS = tuple(m * 10 ** e for e in range(6) for m in (1, 2, 5))
 N_BUCKETS = (1, 2, 5, 10, 20)
+
+#: vLLM's speculative-decoding counters (``EngineSnapshot.spec_decode``): only on a server with a
+#: speculative_config, as vLLM registers them only then.
+SPEC_DECODE_COUNTERS = (
+    ("vllm:spec_decode_num_drafts", "Speculative verify rows run (drafts offered to the model).",
+     "num_drafts"),
+    ("vllm:spec_decode_num_draft_tokens", "Tokens proposed by the speculative drafter.",
+     "num_draft_tokens"),
+    ("vllm:spec_decode_num_accepted_tokens", "Drafted tokens the model accepted.",
+     "num_accepted_tokens"))
 
 #: finished_reason label values of vllm:request_success_total (always exported, even at 0).
 FINISHED_REASONS = ("stop", "length", "abort", "error")
@@ -101,6 +112,22 @@ class _EngineCollector:
                                 labels=["model_name", "finished_reason"])
         for reason in sorted(set(FINISHED_REASONS) | set(finished)):
             c.add_metric([self.model_name, str(reason)], float(finished.get(reason, 0)))
+        yield c
+        yield from self._spec_decode(s.get("spec_decode"))
+
+    def _spec_decode(self, spec: Mapping[str, Any] | None) -> Iterable[Metric]:
+        if spec is None:  # speculation not configured: no series at all
+            return
+        for name, doc, key in SPEC_DECODE_COUNTERS:
+            c = CounterMetricFamily(name, doc, labels=["model_name"])
+            c.add_metric([self.model_name], float(spec.get(key, 0)))
+            yield c
+        c = CounterMetricFamily("vllm:spec_decode_num_accepted_tokens_per_pos",
+                                "Drafted tokens the model accepted, by position in the draft "
+                                "(0 is the first drafted token).",
+                                labels=["model_name", "position"])
+        for pos, n in enumerate(spec.get("accepted_per_pos") or ()):
+            c.add_metric([self.model_name, str(pos)], float(n))
         yield c
 
 

@@ -53,6 +53,9 @@ class EngineSnapshot:
     prefix_cache_queries: int = 0
     prefix_cache_hits: int = 0
     histograms: dict = field(default_factory=dict)  # name -> (buckets, counts, sum)
+    # None without a speculative_config; else SpecStats's counters, accepted_per_pos one count
+    # per draft position 0..k-1 (vLLM exports these only when speculation is configured)
+    spec_decode: dict | None = None
 
 
 class EngineDead(RuntimeError):
@@ -368,7 +371,18 @@ def engine_snapshot(eng: Engine, dead: str | None, steps: int = 0) -> EngineSnap
         prompt_tokens=eng.stats.prompt_tokens, generation_tokens=eng.stats.generation_tokens,
         num_preemptions=sched.num_preemptions, finished=dict(eng.stats.finished), steps=steps,
         prefix_cache_queries=sched.prefix_cache_queries,
-        prefix_cache_hits=sched.prefix_cache_hits, histograms=eng.timings.export())
+        prefix_cache_hits=sched.prefix_cache_hits, histograms=eng.timings.export(),
+        spec_decode=_spec_decode(eng))
+
+
+def _spec_decode(eng: Engine) -> dict | None:
+    if eng.cfg.speculative is None:
+        return None
+    s, k = eng.stats.spec, eng.cfg.speculative.num_speculative_tokens
+    per = list(s.accepted_per_pos or ())
+    return {"num_drafts": s.num_drafts, "num_draft_tokens": s.num_draft_tokens,
+            "num_accepted_tokens": s.num_accepted_tokens,
+            "accepted_per_pos": per + [0] * (k - len(per))}
 
 
 def error_output(request_id: str, reason: str) -> RequestOutput:
