@@ -101,7 +101,9 @@ def _random_command(rng: random.Random) -> StepCommand:
         decode=many(lambda: DecodeRow(i32(), i32(), i32(), i32()), 6),
         prefill=many(lambda: PrefillRow(i(), i(), i(), many(i32, 5), rng.random() < 0.5, i(),
                                         i())),
-        masks=many(lambda: MaskRow(i(), i(), np.array(many(i32, 5), np.int32))))
+        masks=many(lambda: MaskRow(i(), i(), np.array(many(i32, 5), np.int32))),
+        rewinds=many(lambda: P.Rewind(i(), i(), i(), i())),
+        verify=many(lambda: P.VerifyRow(i(), i(), i(), i(), many(i32, 5))))
 
 
 SEED_COMMANDS = [_random_command(random.Random(n)) for n in range(64)]
