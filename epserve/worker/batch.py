@@ -24,7 +24,10 @@ from epserve.worker.step_command import PrefillRow
 @dataclass(frozen=True, slots=True)
 class VerifyRun:
     """A verify row on its rank: ``tokens`` [k + 1] int64 (the fed token, then the k drafts)
-    at positions ``start..start + k``, every one sampled (draws ``output_index + i``)."""
+    at positions ``start..start + k``, every one sampled (draws ``output_index + i``). In the
+    batch each position is a one-token row of its own (``RankRows``): it attends to the
+    sequence's KV up to itself, which the step writes for every position first, so a verify is
+    a decode batch whose rows share a block table (the decode kernels and graphs run it)."""
 
     slot: int
     start: int
@@ -37,11 +40,11 @@ class VerifyRun:
 class RankRows:
     """This rank's rows of one command, decode rows first, and how each sampled row is drawn.
 
-    ``decode_slots`` / ``decode_pos`` / ``decode_ids``: [D] int64, each decode row's slot,
-    position (the KV length before the step) and fed token; ``prefill``: the chunks;
-    ``verify``: the verify rows (between decode rows and chunks in the batch);
-    ``sampling`` / ``output_index``: one per sampled position (every decode row, each verify
-    row's positions, then each prefill row with ``sample``); ``prompt_logprobs``: per prefill row, the top-k to score its prompt
+    ``decode_slots`` / ``decode_pos`` / ``decode_ids``: [D] int64, each one-token row's slot,
+    position and fed token: the decode rows, then each verify row's positions (``verify``
+    says which: the last ``num_verify_positions``); ``prefill``: the chunks;
+    ``sampling`` / ``output_index``: one per sampled position (every one-token row, then each
+    prefill row with ``sample``); ``prompt_logprobs``: per prefill row, the top-k to score its prompt
     positions with and each position's next-token target (-1: none), or None;
     ``mask_rows`` / ``mask_words``: the constrained sampled rows (indices into ``sampling``,
     [M] int64) and their token masks ([M, ceil(V / 32)] int32), None when no row has one.
@@ -64,8 +67,12 @@ class RankRows:
 
     @property
     def chunked(self) -> bool:
-        """Rows of more than one token (prefill chunks or verify rows)."""
-        return bool(self.prefill) or bool(self.verify)
+        """Rows of more than one token (prefill chunks)."""
+        return bool(self.prefill)
+
+    @property
+    def num_verify_positions(self) -> int:
+        return sum(len(v.tokens) for v in self.verify)
 
 
 @dataclass(frozen=True, slots=True)
@@ -137,7 +144,8 @@ def _i32_offset(n: int, nr: int) -> int:
 
 def build_step_inputs(rows: RankRows, tables: BlockTables, block_size: int,
                       device: torch.device) -> StepInputs:
-    """Flatten decode rows, verify rows, then prefill chunks into one token batch."""
+    """Flatten the one-token rows (decode rows, then verify positions) and the prefill
+    chunks into one token batch."""
     if not rows.chunked:
         return _decode_inputs(rows, tables, block_size, device)
     bs = block_size
@@ -149,16 +157,6 @@ def build_step_inputs(rows: RankRows, tables: BlockTables, block_size: int,
     sample_index = list(range(nd))
     sampled_prefill = []
     slots = [rows.decode_slots]
-    for v in rows.verify:  # every position samples
-        n = len(v.tokens)
-        p = np.arange(v.start, v.start + n, dtype=np.int64)
-        ids.append(v.tokens)
-        pos.append(p)
-        kv.append(tables.kv_slots(np.full(n, v.slot), p, bs))
-        sample_index.extend(range(qsl[-1], qsl[-1] + n))
-        qsl.append(qsl[-1] + n)
-        seq_lens.append(np.array([v.start + n], dtype=np.int64))
-        slots.append(np.array([v.slot], dtype=np.int64))
     for r, row in enumerate(rows.prefill):
         n, start = len(row.tokens), row.start
         p = np.arange(start, start + n, dtype=np.int64)

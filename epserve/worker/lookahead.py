@@ -65,7 +65,7 @@ class DecodeLookahead:
         for the rows, or a row without a block for its next position."""
         self._ahead = None
         n = rows.num_decode
-        if n == 0 or rows.chunked or pending.tokens.shape[0] != n:
+        if n == 0 or rows.chunked or rows.verify or pending.tokens.shape[0] != n:
             return False
         if self.graphs is not None and not self.graphs.covers_rows(n):
             return False
@@ -95,7 +95,7 @@ class DecodeLookahead:
         """The queued forward's hidden states [n, H] if ``rows`` (a pure decode step) are
         exactly the ones it computed, else None (and it is dropped either way)."""
         a, self._ahead = self._ahead, None
-        if a is None or a.tokens is None or rows.chunked \
+        if a is None or a.tokens is None or rows.chunked or rows.verify \
                 or rows.num_decode != len(a.slots):
             return None
         if not (np.array_equal(rows.decode_slots, a.slots)

@@ -137,6 +137,11 @@ class RankExecutor:
         samp = self.sampling
         sampling = [samp[s] for s in slot.tolist()]
         output_index = oidx.tolist()
+        if verify:  # each position a one-token row after the decode rows
+            slot = np.concatenate([slot] + [np.full(len(v.tokens), v.slot) for v in verify])
+            pos = np.concatenate([pos] + [np.arange(v.start, v.start + len(v.tokens))
+                                          for v in verify])
+            ids = np.concatenate([ids] + [v.tokens for v in verify])
         for v in verify:
             sampling.extend([samp[v.slot]] * len(v.tokens))
             output_index.extend(range(v.output_index, v.output_index + len(v.tokens)))
@@ -160,8 +165,8 @@ class RankExecutor:
         masks = [m for m in cmd.masks if m.rank == self.rank]
         if not masks:
             return rows
-        place = {s: i for i, s in enumerate(rows.decode_slots.tolist())}
-        nd = len(place) + sum(len(v.tokens) for v in rows.verify)  # no mask on a verify row
+        place = {s: i for i, s in enumerate(rows.decode_slots.tolist())}  # decode rows first
+        nd = rows.num_decode  # verify positions included (a verify row carries no mask)
         place.update((p.slot, nd + k) for k, p in enumerate(p for p in rows.prefill if p.sample))
         return dataclasses.replace(
             rows, mask_rows=np.array([place[m.slot] for m in masks], dtype=np.int64),
@@ -188,18 +193,20 @@ class RankExecutor:
         nblocks = self.mirror.nblocks[me][rows.decode_slots] if ahead else None
         out = self.runner.execute(rows, inp, ahead, nblocks)
         self.last_logits = out.logits
-        nd = rows.num_decode
-        tokens = out.tokens
+        nv = rows.num_verify_positions
+        nd = rows.num_decode - nv  # the decode rows; then the verify positions
+        tokens, at = out.tokens, nd
         verified: dict[int, list] = {}
         for v in rows.verify:  # the target's token at each position; the accepted prefix is
-            n = len(v.tokens)  # the drafts it equals, and the token after them is emitted
-            run = verified[v.slot] = tokens[nd:nd + n]
-            tokens = tokens[:nd] + tokens[nd + n:]
+            run = verified[v.slot] = tokens[at:at + len(v.tokens)]  # the drafts it equals,
+            at += len(v.tokens)  # and the token after them is emitted
             self.last_token[v.slot] = run[accepted(v.drafts, run)].token_id
-        slots = rows.decode_slots.tolist() + [p.slot for p in rows.prefill if p.sample]
+        if nv:
+            tokens = tokens[:nd] + tokens[nd + nv:]
+        slots = rows.decode_slots[:nd].tolist() + [p.slot for p in rows.prefill if p.sample]
         sampled = dict(zip(slots, tokens))
         if nd:
-            self.last_token[rows.decode_slots] = [t.token_id for t in tokens[:nd]]
+            self.last_token[rows.decode_slots[:nd]] = [t.token_id for t in tokens[:nd]]
         for s, tok in zip(slots[nd:], tokens[nd:]):
             self.last_token[s] = tok.token_id
         return RankResult(cmd.step_id, me, sampled, out.prompt_logprobs, verified)

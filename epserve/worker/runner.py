@@ -164,7 +164,7 @@ class Runner:
                          qsl: tuple[int, ...]) -> dict[int, list[PromptTokenLogprob]]:
         """Score each collecting prefill row's prompt positions; ``qsl``: row starts in hidden."""
         out: dict[int, list[PromptTokenLogprob]] = {}
-        nd = rows.num_decode + len(rows.verify)  # the rows before the chunks
+        nd = rows.num_decode
         for r, want in enumerate(rows.prompt_logprobs):
             if want is None:
                 continue
