@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import logging
 import time
-from typing import Any, Callable, Sequence
+from typing import AbstractSet, Any, Callable, Sequence
 
 from epserve.models.traits import (
     CapabilityAbsent, EpCommandFailed, ForwardDisclosure, MixedBatchResult, PrefillSlice,
@@ -185,9 +185,11 @@ class StepModel(ForwardForms, KvLifecycle):
         """One step on every rank. ``drafts``: per decode row its drafted tokens (empty: a
         plain decode row); such a row is verified (``MixedBatchResult.verified``) and its
         sequence keeps the accepted prefix. When the ranks refuse the command because of one
-        sequence's rows (``EpCommandFailed.bad_rows``), only that sequence fails: it is left
-        out and the step is issued again with the others, so one request never fails the rest
-        of its step. A refusal that names no sequence of this step fails the whole step."""
+        sequence's rows or updates (``EpCommandFailed.bad_rows``), only that sequence fails:
+        it is left out (its rows and its pending rewind, which would be refused again) and the
+        step is issued again with the others, so one request never fails the rest of its step.
+        A refusal that names no sequence of this step, or only sequences already left out,
+        fails the whole step (issuing it again could only repeat it)."""
         failed: dict[tuple[int, int], str] = {}
         keys: set[tuple[int, int]] | None = None
         strangers = 0  # refusals naming a row that is none of this step's sequences
@@ -199,13 +201,13 @@ class StepModel(ForwardForms, KvLifecycle):
                 results: list[RankResult] = []
                 break
             try:
-                results = self._issue(dt, ds, ps, dr)
+                results = self._issue(dt, ds, ps, dr, failed.keys())
                 break
             except EpCommandFailed as exc:
                 if keys is None:
                     keys = {_key(s) for s in decode_seqs} | {_key(sl.seq) for sl in ps}
                 bad = set(exc.bad_rows) & keys
-                if not exc.bad_rows or (not bad and strangers):
+                if not exc.bad_rows or (not bad and strangers) or (bad and bad <= failed.keys()):
                     raise
                 strangers += not bad
                 log.warning("step %d refused for %s: %s; re-issuing without them", exc.step_id,
@@ -221,9 +223,10 @@ class StepModel(ForwardForms, KvLifecycle):
 
     def _issue(self, decode_tokens: Sequence[int], decode_seqs: Sequence[SequenceState],
                prefill_slices: Sequence[PrefillSlice],
-               drafts: Sequence[Sequence[int]] | None = None) -> list[RankResult]:
+               drafts: Sequence[Sequence[int]] | None = None,
+               left_out: AbstractSet[tuple[int, int]] = frozenset()) -> list[RankResult]:
         """Build and run one command on every rank; every rank's result."""
-        cmd = self.build_command(decode_tokens, decode_seqs, prefill_slices, drafts)
+        cmd = self.build_command(decode_tokens, decode_seqs, prefill_slices, drafts, left_out)
         if self._fault is not None:
             cmd, self._fault = self._fault(cmd, self.rank0.mirror), None
         self.last_round = time.monotonic()
@@ -256,8 +259,11 @@ class StepModel(ForwardForms, KvLifecycle):
 
     def build_command(self, decode_tokens: Sequence[int], decode_seqs: Sequence[SequenceState],
                       prefill_slices: Sequence[PrefillSlice],
-                      drafts: Sequence[Sequence[int]] | None = None) -> StepCommand:
-        """The next command: the scheduler's rows plus what the ranks do not know yet."""
+                      drafts: Sequence[Sequence[int]] | None = None,
+                      left_out: AbstractSet[tuple[int, int]] = frozenset()) -> StepCommand:
+        """The next command: the scheduler's rows plus what the ranks do not know yet.
+        ``left_out``: sequences this step fails (refused by the ranks): their pending rewinds
+        stay out of the command too (still pending; the engine releases such a sequence)."""
         ship = self._shipment = Shipment(self.view)
         verify = []
         if drafts is not None and any(drafts):
@@ -291,7 +297,8 @@ class StepModel(ForwardForms, KvLifecycle):
             block_updates=tuple(ship.blocks), decode=decode, prefill=tuple(prefill),
             masks=tuple(masks), verify=tuple(verify),
             rewinds=tuple(Rewind(r, s, n, b) for (r, s), (n, b)
-                          in sorted(self.view.pending_rewinds.items())))
+                          in sorted(self.view.pending_rewinds.items())
+                          if (r, s) not in left_out))
 
     def _assemble(self, decode_tokens: Sequence[int], decode_seqs: Sequence[SequenceState],
                   prefill_slices: Sequence[PrefillSlice], results: list[RankResult],
