@@ -1,5 +1,6 @@
 """The n-gram proposer (prompt lookup): drafts the tokens that followed the most recent earlier
-occurrence of the sequence's last n tokens, for n from ``max_n`` down to ``min_n``.
+occurrence of the sequence's last n tokens, for n from ``max_n`` down to ``min_n`` (continued
+periodically where the history ends: a recent match is a repeating span).
 
 No model runs. The search is a byte search over the token ids packed as 4-byte little-endian
 words (``bytes.rfind``, C speed; a hit not on a word boundary is skipped), kept per sequence
@@ -41,7 +42,17 @@ class NgramProposer:
                 if at < 0:
                     break
                 if at % 4 == 0:
-                    start = at // 4 + n
-                    return tuple(packed[start:start + k]), packed
+                    return _continue(packed, at // 4 + n, n_tok, k), packed
                 end = at + len(pat) - 1
         return (), packed
+
+
+def _continue(packed: array, start: int, n_tok: int, k: int) -> tuple[int, ...]:
+    """The ``k`` tokens after the match ending at ``start``: what followed it, and past the
+    end of the history the same text again (the match and the suffix are ``n_tok - start``
+    tokens apart, so the text repeats with that period: a loop of one token drafts k of it)."""
+    out = list(packed[start:start + k])
+    period = n_tok - start
+    while len(out) < k:
+        out.append(out[len(out) - period])
+    return tuple(out)
