@@ -247,6 +247,8 @@ def build_engine(args: EngineArgs, runner: Any = None) -> tuple[Engine, Any, Any
         runner = StepModel.one_rank(args.runner_config())
     tok = load_tokenizer(args.model, args.tokenizer)
     mc = runner.model_config
+    spec = SpeculativeConfig.from_dict(args.speculative_config)
+    draft = build_draft(args, spec, runner) if spec is not None and spec.model else None
     engine = Engine(runner, tok or NoTokenizer(), EngineConfig(
         max_model_len=runner.max_model_len, vocab_size=mc.vocab_size,
         eos_token_ids=eos_token_ids(args.model, mc.eos_token_ids, tok), seed=args.seed,
@@ -254,6 +256,29 @@ def build_engine(args: EngineArgs, runner: Any = None) -> tuple[Engine, Any, Any
             max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
             long_prefill_token_threshold=args.long_prefill_token_threshold,
             enable_prefix_caching=args.enable_prefix_caching),
-        limits=args.request_limits(),
-        speculative=SpeculativeConfig.from_dict(args.speculative_config)))
+        limits=args.request_limits(), speculative=spec), draft)
     return engine, runner, tok
+
+
+def build_draft(args: EngineArgs, spec: SpeculativeConfig, target: Any) -> StepModel:
+    """The draft model of a ``draft_model`` config, on rank 0's device beside ``target``
+    (``head.draft_proposer`` says why there): its own KV cache, in what
+    ``gpu_memory_utilization`` + 0.05 of the GPU leaves after the target (CUDA). ``ValueError``
+    naming the key when it cannot draft for ``target``."""
+    assert spec.model is not None
+    try:
+        check_model_path(spec.model)
+        draft = StepModel.one_rank(RunnerConfig(
+            model=spec.model, dtype=args.dtype, device=str(target.runner.device),
+            max_model_len=target.max_model_len, block_size=args.block_size,
+            num_kv_blocks=args.num_kv_blocks, max_num_seqs=args.max_num_seqs,
+            enable_prefix_caching=False, load_format=args.load_format, seed=args.seed,
+            gpu_memory_utilization=min(0.98, float(args.gpu_memory_utilization) + 0.05),
+            enforce_eager=bool(args.enforce_eager), decode_lookahead=False))
+    except (CheckpointError, ValueError) as exc:
+        raise ValueError(f"speculative_config.model: {exc}") from None
+    want, got = target.model_config.vocab_size, draft.model_config.vocab_size
+    if got != want:
+        raise ValueError(f"speculative_config.model: the draft's vocabulary has {got} tokens, "
+                         f"the target's {want}: a draft model must share the target's tokenizer")
+    return draft

@@ -78,7 +78,9 @@ def _mix_seed(seed: int, index: int) -> int:
 class Engine:
     """Single-loop engine over a ``Model``; not thread-safe (one caller drives ``step``)."""
 
-    def __init__(self, model: Model, tokenizer: Any, cfg: EngineConfig):
+    def __init__(self, model: Model, tokenizer: Any, cfg: EngineConfig,
+                 draft: Model | None = None):
+        """``draft``: the draft model of a ``draft_model`` speculative config."""
         self.model = model
         self.tokenizer = tokenizer
         # an EOS id outside the model's vocabulary can never be sampled: it is no stop, and
@@ -89,7 +91,7 @@ class Engine:
         if spec is not None:
             require_capability(model, "verify", "speculative decoding")
         self.scheduler = Scheduler(model, cfg.scheduler,
-                                   spec.proposer() if spec is not None else None,
+                                   spec.proposer(draft) if spec is not None else None,
                                    spec.num_speculative_tokens if spec is not None else 0,
                                    cfg.max_model_len)
         self.grammars = GrammarBook(tokenizer, cfg.vocab_size, self.cfg.eos_token_ids)

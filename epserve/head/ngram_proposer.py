@@ -21,6 +21,22 @@ class NgramProposer:
     def __init__(self, min_n: int, max_n: int):
         self.min_n, self.max_n = min_n, max_n
 
+    def propose_batch(self, seqs: Sequence[Any], caps: Sequence[int]) -> list[tuple[int, ...]]:
+        """Drafts for head ``Sequence``s, at most ``caps[i]`` each; each sequence's packed
+        history is kept in its ``draft_state``."""
+        out = []
+        for seq, k in zip(seqs, caps):
+            if k <= 0:
+                out.append(())
+                continue
+            d, seq.draft_state = self.propose(seq.request.prompt_ids, seq.output_ids, k,
+                                              seq.draft_state)
+            out.append(d)
+        return out
+
+    def release(self, seq: Any) -> None:
+        """Nothing held beside the sequence (its history is rebuilt from its tokens)."""
+
     def propose(self, prompt: Sequence[int], output: Sequence[int], k: int,
                 state: Any = None) -> tuple[tuple[int, ...], Any]:
         """Up to ``k`` drafted tokens after ``prompt + output`` (empty when no n-gram recurs),

@@ -46,6 +46,8 @@ class StepPlan:
     decode: list[Sequence] = field(default_factory=list)
     decode_tokens: list[int] = field(default_factory=list)
     drafts: list[tuple[int, ...]] | None = None
+    draft_caps: list[int] = field(default_factory=list)  # most drafts each decode row may get
+    proposed: bool = False  # the proposer has drafted (rows planned later get no drafts)
     prefill: list[Sequence] = field(default_factory=list)
     slices: list[PrefillSlice] = field(default_factory=list)
     preempted: list[Sequence] = field(default_factory=list)
@@ -117,7 +119,7 @@ class Scheduler:
                 decode_tokens.append(out[-1])
                 budget -= 1
                 if plan.drafts is not None:
-                    budget -= self._draft(seq, budget, plan.drafts)
+                    budget -= self._draft_cap(seq, budget, plan)
                 i += 1
                 continue
             n = self._chunk(seq, budget)
@@ -127,6 +129,8 @@ class Scheduler:
                 continue
             budget -= self._plan_row(seq, n, plan, budget)
             i += 1
+        if plan.drafts is not None:
+            budget += self._propose(plan)
         if not plan.preempted:
             self._admit(plan, budget)
         return plan
@@ -145,34 +149,48 @@ class Scheduler:
         if n == 1 and state.seq_len == seq.num_tokens - 1 and seq.output_ids:
             plan.decode.append(seq)
             plan.decode_tokens.append(seq.output_ids[-1])
-            return 1 + (self._draft(seq, budget - 1, plan.drafts) if plan.drafts is not None
-                        else 0)
+            if plan.drafts is None:
+                return 1
+            if plan.proposed:
+                plan.drafts.append(())
+                return 1
+            return 1 + self._draft_cap(seq, budget - 1, plan)
         start = state.seq_len
         plan.prefill.append(seq)
         plan.slices.append(PrefillSlice(seq.all_tokens(), state, start, n,
                                         start + n == seq.num_tokens))
         return n
 
-    def _draft(self, seq: Sequence, budget: int, drafts: list[tuple[int, ...]]) -> int:
-        """Draft tokens for decode row ``seq`` (appended to ``drafts``): at most the budget,
-        what is left of ``max_tokens`` after this step's own token, ``max_model_len``, and
-        while ``min_tokens`` bans apply, no draft crossing where they lift (every position of
-        a row is sampled under one ``RowSampling``). A constrained row gets none (its mask is
-        known for one position only). Returns how many."""
+    def _draft_cap(self, seq: Sequence, budget: int, plan: StepPlan) -> int:
+        """How many tokens decode row ``seq`` may draft (noted in ``plan.draft_caps``; their
+        budget is held until the proposer has drafted): at most the budget, what is left of
+        ``max_tokens`` after this step's own token, ``max_model_len``, and while
+        ``min_tokens`` bans apply, none crossing where they lift (every position of a row is
+        sampled under one ``RowSampling``). A constrained row gets none (its mask is known for
+        one position only)."""
         req, n = seq.request, len(seq.output_ids)
         k = min(self.num_spec, budget, req.max_tokens - n - 1,
                 self.max_model_len - seq.num_tokens)
-        min_tokens = req.params.min_tokens
-        if n < min_tokens:
-            k = min(k, min_tokens - n - 1)
-        got: tuple[int, ...] = ()
-        if k > 0 and seq.grammar is None:
-            got, seq.draft_state = self.proposer.propose(req.prompt_ids, seq.output_ids, k,
-                                                         seq.draft_state)
-            if got and not self.model.reserve_blocks(seq.state, seq.state.seq_len + 1 + len(got)):
-                got = ()  # no free block for the drafts: decode only (drafts never preempt)
-        drafts.append(got)
-        return len(got)
+        if n < req.params.min_tokens:
+            k = min(k, req.params.min_tokens - n - 1)
+        if seq.grammar is not None:
+            k = 0
+        plan.draft_caps.append(max(k, 0))
+        return max(k, 0)
+
+    def _propose(self, plan: StepPlan) -> int:
+        """Draft for the planned decode rows in one batch and reserve KV for the drafts (a
+        row whose blocks cannot be had drafts nothing: drafts never preempt); the budget
+        held for drafts that were not made."""
+        got = self.proposer.propose_batch(plan.decode, plan.draft_caps)
+        plan.proposed, unused = True, 0
+        for seq, cap, d in zip(plan.decode, plan.draft_caps, got):
+            d = tuple(d[:cap])
+            if d and not self.model.reserve_blocks(seq.state, seq.state.seq_len + 1 + len(d)):
+                d = ()
+            plan.drafts.append(d)
+            unused += cap - len(d)
+        return unused
 
     def _reserve(self, seq: Sequence, n: int, plan: StepPlan) -> bool:
         """Reserve KV for ``n`` more tokens of running ``seq``, reclaiming cached blocks, then
@@ -217,6 +235,8 @@ class Scheduler:
         plan.failed.append((seq, reason))
 
     def _release(self, seq: Sequence, cache: bool) -> None:
+        if self.proposer is not None:
+            self.proposer.release(seq)
         if seq.state is None:
             return
         if cache and self.cfg.enable_prefix_caching:

@@ -15,14 +15,15 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Mapping, Sequence
 
+from epserve.head.draft_proposer import DraftModelProposer
 from epserve.head.ngram_proposer import NgramProposer
+from epserve.models.traits import Model
 
 #: Drafted tokens one row may carry (the step command's bound, ``MAX_DRAFT_TOKENS``).
 MAX_SPECULATIVE_TOKENS = 16
 
 #: vLLM's methods this engine does not run (yet): refused by name, never ignored.
 _NOT_BUILT = {
-    "draft_model": "the draft-model proposer is not built yet; use method 'ngram'",
     "mtp": "MTP drafts need a model with MTP heads (Qwen3-Next / Qwen3.5), not served yet",
     "eagle": "EAGLE draft heads are not supported", "eagle3": "EAGLE draft heads are not "
     "supported", "medusa": "Medusa heads are not supported", "mlp_speculator": "MLP "
@@ -33,14 +34,17 @@ _KEYS = {"method", "num_speculative_tokens", "prompt_lookup_min", "prompt_lookup
 
 @dataclass(frozen=True)
 class SpeculativeConfig:
-    """``method``: ``ngram`` (prompt lookup over prompt and output); ``num_speculative_tokens``:
-    drafted tokens per row and step, 1..16; ``prompt_lookup_min`` / ``prompt_lookup_max``:
-    the n-gram lengths matched (as vLLM: one given sets the other, neither gives 5 and 5)."""
+    """``method``: ``ngram`` (prompt lookup over prompt and output) or ``draft_model`` (a
+    smaller checkpoint with the target's vocabulary, ``model``: its folder);
+    ``num_speculative_tokens``: drafted tokens per row and step, 1..16;
+    ``prompt_lookup_min`` / ``prompt_lookup_max`` (ngram): the n-gram lengths matched (as
+    vLLM: one given sets the other, neither gives 5 and 5)."""
 
     method: str
     num_speculative_tokens: int
     prompt_lookup_min: int = 5
     prompt_lookup_max: int = 5
+    model: str | None = None
 
     @classmethod
     def from_dict(cls, d: Mapping[str, Any] | None) -> "SpeculativeConfig | None":
@@ -56,11 +60,21 @@ class SpeculativeConfig:
         method = d.get("method")
         if method in _NOT_BUILT:
             raise ValueError(f"speculative_config.method={method!r}: {_NOT_BUILT[method]}")
-        if method != "ngram":
-            raise ValueError(f"speculative_config.method must be 'ngram', got {method!r}")
+        if method not in ("ngram", "draft_model"):
+            raise ValueError(f"speculative_config.method must be 'ngram' or 'draft_model', got "
+                             f"{method!r}")
+        k = _int(d, "num_speculative_tokens", None, 1, MAX_SPECULATIVE_TOKENS)
+        if method == "draft_model":
+            extra = sorted(set(d) & {"prompt_lookup_min", "prompt_lookup_max"})
+            if extra:
+                raise ValueError(f"speculative_config.{extra[0]}: method 'draft_model' does no "
+                                 f"n-gram lookup")
+            if not isinstance(d.get("model"), str) or not d["model"]:
+                raise ValueError("speculative_config.model: method 'draft_model' needs the "
+                                 "draft checkpoint's folder")
+            return cls(method, k, model=d["model"])
         if "model" in d:
             raise ValueError("speculative_config.model: method 'ngram' uses no draft model")
-        k = _int(d, "num_speculative_tokens", None, 1, MAX_SPECULATIVE_TOKENS)
         lo, hi = d.get("prompt_lookup_min"), d.get("prompt_lookup_max")
         lo = _int(d, "prompt_lookup_min", hi if hi is not None else 5, 1, 1 << 20)
         hi = _int(d, "prompt_lookup_max", lo, 1, 1 << 20)
@@ -70,11 +84,19 @@ class SpeculativeConfig:
         return cls(method, k, lo, hi)
 
     def to_dict(self) -> dict[str, Any]:
+        if self.method == "draft_model":
+            return {"method": self.method, "num_speculative_tokens": self.num_speculative_tokens,
+                    "model": self.model}
         return {"method": self.method, "num_speculative_tokens": self.num_speculative_tokens,
                 "prompt_lookup_min": self.prompt_lookup_min,
                 "prompt_lookup_max": self.prompt_lookup_max}
 
-    def proposer(self) -> NgramProposer:
+    def proposer(self, draft: Model | None = None) -> NgramProposer | DraftModelProposer:
+        """The proposer; ``draft``: the draft model (``draft_model``), built by the caller."""
+        if self.method == "draft_model":
+            if draft is None:
+                raise ValueError("speculative_config: method 'draft_model' needs its model")
+            return DraftModelProposer(draft)
         return NgramProposer(self.prompt_lookup_min, self.prompt_lookup_max)
 
 

@@ -361,6 +361,18 @@ class StepModel(ForwardForms, KvLifecycle):
             decode_logits=logits[:nd] if logits is not None and nd else None,
             prefill_logits=logits[nd:] if logits is not None and logits.shape[0] > nd else None)
 
+    def rewind_sequence(self, seq: SequenceState, num_tokens: int) -> None:
+        """Keep ``seq``'s first ``num_tokens`` tokens of KV (a rejected tail, a draft model's
+        drafts): its later blocks go back to the pool now, the ranks rewind with the next
+        command."""
+        if not 0 <= num_tokens <= len(seq.tokens):
+            raise ValueError(f"rewind_sequence: {num_tokens} tokens, the sequence has "
+                             f"{len(seq.tokens)}")
+        del seq.tokens[num_tokens:]
+        seq.seq_len = seq.kv_valid_tokens = num_tokens
+        self.book.trim(seq, num_tokens)
+        self.view.rewound(seq)
+
     def _verified(self, tok: int, seq: SequenceState, drafts: Sequence[int], res: RankResult,
                   verified: dict[int, tuple[SampledToken, ...]], i: int) -> SampledToken:
         """Advance a verified row's sequence past its accepted prefix, give back the blocks of
@@ -369,11 +381,9 @@ class StepModel(ForwardForms, KvLifecycle):
         a = accepted(drafts, run)
         seq.tokens.append(tok)
         seq.tokens.extend(drafts[:a])
-        seq.seq_len += 1 + a
-        seq.kv_valid_tokens = seq.seq_len
-        held = len(seq.block_table)
-        if self.book.trim(seq, seq.seq_len) < held or a < len(drafts):
-            self.view.rewound(seq)
+        seq.seq_len = seq.kv_valid_tokens = seq.seq_len + 1 + a
+        if a < len(drafts) or -(-seq.seq_len // self.block_size) < len(seq.block_table):
+            self.rewind_sequence(seq, seq.seq_len)  # the ranks hold KV for every position
         return run[0]
 
     def shutdown_workers(self) -> None:

@@ -145,7 +145,7 @@ def test_a_rejected_tail_gives_its_blocks_back(qwen3_ckpt):
 
 @pytest.mark.parametrize("bad,key", [
     ({"method": "mtp", "num_speculative_tokens": 2}, "method"),
-    ({"method": "draft_model", "num_speculative_tokens": 2, "model": "x"}, "method"),
+    ({"method": "draft_model", "num_speculative_tokens": 2, "model": "/no/such"}, "model"),
     ({"method": "bogus", "num_speculative_tokens": 2}, "method"),
     ({"method": "ngram"}, "num_speculative_tokens"),
     ({"method": "ngram", "num_speculative_tokens": 0}, "num_speculative_tokens"),
