@@ -194,7 +194,7 @@ class Engine:
         for req in old.requests.values():
             for seq in req.seqs:
                 if not seq.finished:
-                    seq.state = None
+                    seq.state = seq.draft_state = None  # both belonged to the dead engine
                     self.scheduler.add(seq)
             self.requests[req.request_id] = req
         old.requests = {}

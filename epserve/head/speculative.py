@@ -13,7 +13,7 @@ draws the same tokens), only how many forwards it takes.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Mapping, Sequence
+from typing import Any, Mapping, Protocol, Sequence
 
 from epserve.head.draft_proposer import DraftModelProposer
 from epserve.head.ngram_proposer import NgramProposer
@@ -108,6 +108,18 @@ def _int(d: Mapping[str, Any], key: str, default: Any, lo: int, hi: int) -> int:
         raise ValueError(f"speculative_config.{key} must be an integer in [{lo}, {hi}], "
                          f"got {v!r}")
     return v
+
+
+class Proposer(Protocol):
+    """What the scheduler asks of a proposer: drafts for a step's decode rows in one batch (at
+    most ``caps[i]`` for row ``i``; fewer or none is always allowed), and to let go of a
+    sequence that finished or was preempted. A proposer keeps its per-sequence state in
+    ``Sequence.draft_state``. ``NgramProposer`` and ``DraftModelProposer`` implement it; an
+    MTP head (Qwen3-Next / Qwen3.5) fits the same shape, drafting from the target's hidden
+    states through the model's ``ModelDraft`` trait."""
+
+    def propose_batch(self, seqs: Sequence[Any], caps: Sequence[int]) -> list[tuple[int, ...]]: ...
+    def release(self, seq: Any) -> None: ...
 
 
 @dataclass

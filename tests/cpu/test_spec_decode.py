@@ -157,3 +157,21 @@ def test_a_rejected_tail_gives_its_blocks_back(qwen3_ckpt):
 def test_a_bad_speculative_config_is_refused_at_start(qwen3_ckpt, bad, key):
     with pytest.raises(ValueError, match=key):
         _llm(qwen3_ckpt, speculative_config=bad)
+
+
+def test_the_prefix_cache_holds_only_accepted_tokens(qwen3_ckpt):
+    """Blocks a speculative run caches cover its accepted output only: a prompt that
+    continues a finished output hits them and goes on as without speculation."""
+    phrase = [11, 12, 13, 14, 15]
+    first = {"prompt_token_ids": phrase * 4}
+    sp = SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True)
+    base, spec = _llm(qwen3_ckpt, block_size=4), _llm(qwen3_ckpt, speculative_config=NGRAM,
+                                                       block_size=4)
+    out = spec.generate([first], sp)[0].outputs[0].token_ids
+    assert out == base.generate([first], sp)[0].outputs[0].token_ids
+    assert spec.engine.stats.spec.num_accepted_tokens > 0
+    longer = {"prompt_token_ids": phrase * 4 + out[:30]}
+    want = base.generate([longer], sp)[0]
+    got = spec.generate([longer], sp)[0]
+    assert got.num_cached_tokens >= 44  # the prompt and most of the output: blocks of 4
+    assert got.outputs[0].token_ids == want.outputs[0].token_ids
