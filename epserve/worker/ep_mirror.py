@@ -109,6 +109,17 @@ class EpMirror:
             fail(f"{what}: unknown sequence {key}", key)
         return key
 
+    def _first_row(self, rank: int, slot: int, live: np.ndarray, seen: set[int],
+                   fail: "_Failer", what: str) -> tuple[int, int]:
+        """The key of a live sequence's row, which must be its only row of the step (``seen``:
+        the flat keys of the rows before it; this one is added)."""
+        key = self._live(rank, slot, live, fail, what)
+        flat = rank * self.max_slots + slot
+        if flat in seen:
+            fail(f"{what}: sequence {key} appears twice", key)
+        seen.add(flat)
+        return key
+
     def _check_new(self, n: NewSeq, live: np.ndarray, fail: "_Failer") -> None:
         key = self._key(n.rank, n.slot, fail, "new sequence")
         if live[key]:
@@ -169,11 +180,7 @@ class EpMirror:
                        lens: np.ndarray, seen: set[int], fail: "_Failer") -> None:
         bs, vocab = self.block_size, self.vocab_size
         for p in cmd.prefill:
-            key = self._live(p.rank, p.slot, live, fail, "prefill row")
-            flat = p.rank * self.max_slots + p.slot
-            if flat in seen:
-                fail(f"prefill row: sequence {key} appears twice", key)
-            seen.add(flat)
+            key = self._first_row(p.rank, p.slot, live, seen, fail, "prefill row")
             if p.start != lens[key] or not len(p.tokens) or p.output_index < 0:
                 fail(f"prefill row {key}: chunk at {p.start} of {len(p.tokens)} tokens, the "
                      f"sequence has KV for {lens[key]}", key)
@@ -190,11 +197,7 @@ class EpMirror:
         position (the sequence's KV length)."""
         bs, vocab, out = self.block_size, self.vocab_size, []
         for v in cmd.verify:
-            key = self._live(v.rank, v.slot, live, fail, "verify row")
-            flat = v.rank * self.max_slots + v.slot
-            if flat in seen:
-                fail(f"verify row: sequence {key} appears twice", key)
-            seen.add(flat)
+            key = self._first_row(v.rank, v.slot, live, seen, fail, "verify row")
             k, at = len(v.drafts), int(lens[key])
             if not 1 <= k <= MAX_DRAFT_TOKENS or v.output_index < 0:
                 fail(f"verify row {key}: {k} drafts (1..{MAX_DRAFT_TOKENS}), output index "

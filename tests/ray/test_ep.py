@@ -16,6 +16,7 @@ import pytest
 
 from epserve import LLM, SamplingParams
 from tiny_ckpt import make_tiny_checkpoint
+from worker_logs import worker_log_mentions
 
 NEW = 24
 
@@ -84,7 +85,7 @@ def test_invalid_command_fails_only_the_rows_that_made_it_invalid(ray_cluster, m
     assert [len(f) - b for f, b in zip(after, before)] == [1], after
     reason = after[0][-1]["reason"]
     assert REASONS[kind] in reason, reason
-    assert _worker_log_mentions(f"EpCommandFailed step={after[0][-1]['step_id']}")
+    assert worker_log_mentions(f"EpCommandFailed step={after[0][-1]['step_id']}")
     for i, (o, w) in enumerate(zip(outs, want)):
         if i not in failed:
             assert o.error is None and o.outputs[0].token_ids == w
@@ -93,24 +94,6 @@ def test_invalid_command_fails_only_the_rows_that_made_it_invalid(ray_cluster, m
 
 REASONS = {"unknown_slot": "unknown sequence", "block_out_of_range": "block id out of range",
            "bad_sampling": "temperature"}
-
-
-def _worker_log_mentions(text: str, timeout_s: float = 10.0) -> bool:
-    """Ray writes each worker's stderr under the session's logs folder."""
-    import glob
-    import os
-
-    import ray
-
-    logs = os.path.join(ray._private.worker._global_node.get_session_dir_path(), "logs")
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        for f in glob.glob(os.path.join(logs, "worker-*")):
-            with open(f, errors="replace") as fh:
-                if text in fh.read():
-                    return True
-        time.sleep(0.5)
-    return False
 
 
 @pytest.fixture(scope="module")

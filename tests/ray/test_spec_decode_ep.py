@@ -14,8 +14,6 @@ sequence's rewind (it used to carry it again, be refused again, and loop without
 from __future__ import annotations
 
 import dataclasses
-import glob
-import os
 import random
 import threading
 import time
@@ -24,6 +22,7 @@ import pytest
 
 from epserve import LLM, SamplingParams
 from tiny_ckpt import make_tiny_checkpoint
+from worker_logs import worker_log_mentions
 
 SPEC = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 3,
         "prompt_lookup_min": 1}
@@ -231,21 +230,6 @@ def _drive(group, engine, mutate=None, fired=None, timeout_s: float = 120.0
     return [final[r.request_id] for r in reqs], owners
 
 
-def _worker_log_has(pid: int, text: str, timeout_s: float = 10.0) -> bool:
-    """Whether the Ray worker process ``pid`` wrote ``text`` to its stderr log."""
-    import ray
-
-    logs = os.path.join(ray._private.worker._global_node.get_session_dir_path(), "logs")
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        for path in glob.glob(os.path.join(logs, f"worker-*-{pid}.err")):
-            with open(path, errors="replace") as fh:
-                if text in fh.read():
-                    return True
-        time.sleep(0.25)
-    return False
-
-
 @pytest.fixture(scope="module")
 def ep3_engine(ray_cluster, ckpt6):
     """An engine in this process over a three-rank group, so a test can corrupt the exact
@@ -300,6 +284,6 @@ def test_a_malformed_verify_command_fails_only_its_request(ray_cluster, one_rank
     for w in workers:
         pid = ray_cluster.get(w.pid.remote())
         line = f"EpCommandFailed step={records[0]['step_id']} reason={records[0]['reason']}"
-        assert _worker_log_has(pid, line), (pid, line)
+        assert worker_log_mentions(line, pid=pid), (pid, line)
     nxt, _ = _drive(group, engine)  # the ranks go on, in step, with every request right
     _assert_same(nxt, want)
