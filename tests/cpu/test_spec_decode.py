@@ -175,3 +175,21 @@ def test_the_prefix_cache_holds_only_accepted_tokens(qwen3_ckpt):
     got = spec.generate([longer], sp)[0]
     assert got.num_cached_tokens >= 44  # the prompt and most of the output: blocks of 4
     assert got.outputs[0].token_ids == want.outputs[0].token_ids
+
+
+def test_stop_strings_cut_a_drafted_run_where_they_would_without_it(demo_model_dir):
+    """The demo model (a real tokenizer): a stop string that the output reaches mid-run ends
+    the text at the same place, with the same tokens, as without speculation."""
+    prompt = "the cat sat on the mat. the cat sat on the mat. the cat sat on the"
+    common = dict(model=str(demo_model_dir), dtype="float32", seed=0)
+    base = LLM(**common)
+    spec = LLM(**common, speculative_config=NGRAM)
+    full = base.generate([prompt], SamplingParams(temperature=0.0, max_tokens=48,
+                                                  ignore_eos=True))[0].outputs[0].text
+    stop = full[len(full) // 2:len(full) // 2 + 3]
+    assert stop.strip(), full
+    sp = SamplingParams(temperature=0.0, max_tokens=48, ignore_eos=True, stop=[stop])
+    want, got = base.generate([prompt], sp)[0].outputs[0], spec.generate([prompt], sp)[0].outputs[0]
+    assert (got.text, got.token_ids, got.finish_reason, got.stop_reason) == (
+        want.text, want.token_ids, "stop", stop)
+    assert spec.engine.stats.spec.num_drafts > 0
