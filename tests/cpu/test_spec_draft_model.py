@@ -80,11 +80,16 @@ def test_the_target_as_its_own_draft_accepts_every_draft(tiny_ckpt, case):
 
 
 def test_any_draft_leaves_the_output_unchanged(qwen3_ckpt, other_draft):
-    _, want, _, _ = _run(qwen3_ckpt)
+    base, want, _, _ = _run(qwen3_ckpt)
     llm, got, _, _ = _run(qwen3_ckpt, draft=other_draft, k=4)
     _same(want, got)
     st = llm.engine.stats.spec
     assert st.num_drafts > 0 and st.num_accepted_tokens < st.num_draft_tokens
+    own, _, _, _ = _run(qwen3_ckpt, draft=qwen3_ckpt, k=4)  # runs of 5 accepted tokens:
+    stop = want[-1].outputs[0].token_ids[6]  # max_tokens and stops land inside them
+    for sp in [SamplingParams(temperature=0.0, max_tokens=m, ignore_eos=True) for m in (2, 7)] + [
+            SamplingParams(temperature=0.0, max_tokens=30, stop_token_ids=[stop])]:
+        _same(base.generate(_reqs(), sp), own.generate(_reqs(), sp))
 
 
 def test_a_draft_that_cannot_serve_the_target_is_refused(qwen3_ckpt, tmp_path):

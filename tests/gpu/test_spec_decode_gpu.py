@@ -36,8 +36,18 @@ def test_ngram_speculation_on_cuda_changes_no_token(trained):
     want = [o.outputs[0].token_ids for o in plain.generate(reqs, params)]
     spec = LLM(**common, speculative_config={"method": "ngram", "num_speculative_tokens": 4,
                                              "prompt_lookup_max": 3, "prompt_lookup_min": 2})
-    assert spec.model.runner.graphs is not None
+    graphs = spec.model.runner.graphs
+    assert graphs is not None
+    verify_rows, replay = [], graphs.run
+
+    def replayed(inp, *a, **kw):  # which replays carried verify rows, and how many rows
+        if inp.rows.verify:
+            verify_rows.append(inp.rows.num_decode)
+        return replay(inp, *a, **kw)
+
+    graphs.run = replayed
     got = [o.outputs[0].token_ids for o in spec.generate(reqs, params)]
     assert got == want
+    assert verify_rows and max(verify_rows) > len(prompts)  # k + 1 rows per verify row
     st = spec.engine.stats.spec
     assert st.num_drafts > 0 and st.num_accepted_tokens / st.num_draft_tokens > 0.5
