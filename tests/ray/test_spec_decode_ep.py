@@ -135,6 +135,20 @@ def test_speculation_over_ep_gives_the_one_rank_outputs(ray_cluster, ckpt6, one_
         ep.close()
 
 
+def test_a_draft_model_over_ep_gives_the_one_rank_outputs(ray_cluster, ckpt6, one_rank):
+    """The draft model runs on the head beside rank 0 (here the target itself: every greedy
+    draft is accepted); over two ranks the batch comes out as on one rank."""
+    want, _ = one_rank
+    spec = {"method": "draft_model", "model": str(ckpt6), "num_speculative_tokens": 3}
+    ep = LLM(model=str(ckpt6), ep_size=2, speculative_config=spec, **STRESS)
+    try:
+        _assert_same(ep.generate(PROMPTS, PARAMS), want)
+        got = _settled(ep, NEW * len(PROMPTS))["spec_decode"]
+        assert 0 < got["num_accepted_tokens"] <= got["num_draft_tokens"], got
+    finally:
+        ep.close()
+
+
 # --------------------------------------------------------------------------- faults
 
 KINDS = ("draft_out_of_vocab", "draft_past_kv", "rewind_forward")
