@@ -1,0 +1,118 @@
+"""The gated delta rule (the linear attention of gated-DeltaNet layers: Qwen3-Next, Qwen3.5):
+torch references over a step's packed sequences, each from its own recurrent state.
+
+Per value head, a state ``S`` [Dk, Dv] evolves token by token::
+
+    S <- exp(g_t) * S                      (the gate, g_t <= 0)
+    S <- S + k_t (beta_t * (v_t - S^T k_t))^T   (the delta rule: write what k_t misses)
+    o_t = S^T q_t
+
+with ``q`` and ``k`` L2-normalised (``qk_l2norm``) and ``q`` scaled by ``Dk ** -0.5``; key and
+query heads are shared by ``Hv / Hk`` consecutive value heads. ``recurrent_ref`` runs that
+loop (one decode token, or the definition the other forms are tested against);
+``chunked_ref`` computes the same in chunks of ``chunk`` tokens (within a chunk the updates
+are solved at once: a unit lower-triangular system in the chunk's keys), which is how a
+prompt is prefilled. Both take packed tokens ``[T, H, D]`` of several sequences
+(``cu_seqlens``: host offsets, S + 1 entries) and ``state`` [S, Hv, Dk, Dv] (the sequences'
+states before these tokens, float32), and return the outputs [T, Hv, Dv] in the input's dtype
+and the states after them. Invariant: splitting a sequence's tokens over several calls, each
+starting from the state the last one returned, gives the outputs of one call (chunked
+prefill, then decode).
+"""
+
+from __future__ import annotations
+
+from typing import Sequence
+
+import torch
+
+
+def _prepare(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, qk_l2norm: bool,
+             eps: float = 1e-6) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """float32 q, k with the value heads' layout (grouped heads repeated), normalised and q
+    scaled."""
+    rep = v.shape[1] // k.shape[1]
+    q, k, v = q.float(), k.float(), v.float()
+    if rep > 1:
+        q, k = q.repeat_interleave(rep, dim=1), k.repeat_interleave(rep, dim=1)
+    if qk_l2norm:
+        q = q * torch.rsqrt((q * q).sum(-1, keepdim=True) + eps)
+        k = k * torch.rsqrt((k * k).sum(-1, keepdim=True) + eps)
+    return q * q.shape[-1] ** -0.5, k, v
+
+
+def _check(q, k, v, g, beta, state, cu_seqlens: Sequence[int]) -> None:
+    t, hk, dk = k.shape
+    hv, dv = v.shape[1:]
+    if q.shape != k.shape or v.shape[0] != t or g.shape != (t, hv) or beta.shape != (t, hv):
+        raise ValueError(f"gated delta rule: q {tuple(q.shape)}, k {tuple(k.shape)}, "
+                         f"v {tuple(v.shape)}, g {tuple(g.shape)}, beta {tuple(beta.shape)}")
+    if hv % hk:
+        raise ValueError(f"gated delta rule: {hv} value heads over {hk} key heads")
+    if len(cu_seqlens) != state.shape[0] + 1 or cu_seqlens[0] != 0 or cu_seqlens[-1] != t \
+            or state.shape[1:] != (hv, dk, dv):
+        raise ValueError(f"gated delta rule: cu_seqlens {list(cu_seqlens)} and state "
+                         f"{tuple(state.shape)} for {t} tokens, heads {hv} x ({dk}, {dv})")
+
+
+def recurrent_ref(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor,
+                  beta: torch.Tensor, state: torch.Tensor, cu_seqlens: Sequence[int],
+                  qk_l2norm: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
+    """The rule token by token (see the module)."""
+    _check(q, k, v, g, beta, state, cu_seqlens)
+    dtype = v.dtype
+    q, k, v = _prepare(q, k, v, qk_l2norm)
+    g, beta = g.float(), beta.float()
+    out = torch.empty_like(v)
+    new = state.float().clone()
+    for s in range(len(cu_seqlens) - 1):
+        st = new[s]  # [Hv, Dk, Dv]
+        for t in range(cu_seqlens[s], cu_seqlens[s + 1]):
+            st = st * g[t].exp()[:, None, None]
+            miss = v[t] - torch.einsum("hkv,hk->hv", st, k[t])
+            st = st + k[t][:, :, None] * (beta[t][:, None] * miss)[:, None, :]
+            out[t] = torch.einsum("hkv,hk->hv", st, q[t])
+        new[s] = st
+    return out.to(dtype), new
+
+
+def chunked_ref(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor,
+                beta: torch.Tensor, state: torch.Tensor, cu_seqlens: Sequence[int],
+                qk_l2norm: bool = True, chunk: int = 64) -> tuple[torch.Tensor, torch.Tensor]:
+    """The same rule, ``chunk`` tokens at a time per sequence.
+
+    In a chunk with gate sums ``G_i = g_1 + .. + g_i`` and entry state ``S``, token i's write
+    is ``u_i = beta_i (v_i - exp(G_i) S^T k_i - sum_{j<i} exp(G_i - G_j) (k_j . k_i) u_j)``: a
+    unit lower-triangular system ``(I + L) U = beta (V - exp(G) K S)`` with
+    ``L_ij = beta_i exp(G_i - G_j) k_i . k_j`` (j < i), solved by forward substitution. Then
+    ``o_i = exp(G_i) q_i S + sum_{j<=i} exp(G_i - G_j) (q_i . k_j) u_j`` and the exit state is
+    ``exp(G_c) S + sum_j exp(G_c - G_j) k_j u_j^T``."""
+    _check(q, k, v, g, beta, state, cu_seqlens)
+    dtype = v.dtype
+    q, k, v = _prepare(q, k, v, qk_l2norm)
+    g, beta = g.float(), beta.float()
+    out = torch.empty_like(v)
+    new = state.float().clone()
+    for s in range(len(cu_seqlens) - 1):
+        st = new[s].clone()  # [H, Dk, Dv]
+        for a in range(cu_seqlens[s], cu_seqlens[s + 1], chunk):
+            b = min(a + chunk, cu_seqlens[s + 1])
+            qc, kc, vc = (x[a:b].transpose(0, 1) for x in (q, k, v))  # [H, n, D]
+            gsum = g[a:b].transpose(0, 1).cumsum(-1)  # [H, n]
+            bc = beta[a:b].transpose(0, 1)  # [H, n]
+            decay = (gsum[:, :, None] - gsum[:, None, :])  # [H, n, n]: G_i - G_j
+            n = b - a
+            lower = torch.ones(n, n, dtype=torch.bool, device=q.device).tril(-1)
+            incl = lower | torch.eye(n, dtype=torch.bool, device=q.device)
+            w = torch.where(lower, decay, float("-inf")).exp()  # exp(G_i - G_j), j < i
+            ell = bc[:, :, None] * w * (kc @ kc.transpose(1, 2))  # [H, n, n]
+            rhs = bc[:, :, None] * (vc - gsum.exp()[:, :, None] * (kc @ st))  # [H, n, Dv]
+            u = torch.linalg.solve_triangular(
+                torch.eye(n, device=q.device) + ell, rhs, upper=False, unitriangular=True)
+            wi = torch.where(incl, decay, float("-inf")).exp()  # j <= i
+            out[a:b] = (gsum.exp()[:, :, None] * (qc @ st)
+                        + (wi * (qc @ kc.transpose(1, 2))) @ u).transpose(0, 1)
+            tail = (gsum[:, -1:] - gsum).exp()  # [H, n]: exp(G_c - G_j)
+            st = gsum[:, -1].exp()[:, None, None] * st + (kc * tail[:, :, None]).transpose(1, 2) @ u
+        new[s] = st
+    return out.to(dtype), new
