@@ -64,25 +64,25 @@ def _draws(path, draft: int) -> list[tuple[int, int | None]]:
     model = StepModel.one_rank(EngineArgs(model=str(path), dtype="float32", max_num_seqs=ROWS,
                                           enable_prefix_caching=False).resolved()
                                .runner_config())
+    seqs = []
+    for r in range(ROWS):
+        s = model.alloc_sequence_for(64, CONTEXT)
+        s.prompt_len = len(CONTEXT)
+        assert model.reserve_blocks(s, len(CONTEXT) + 2)
+        seqs.append(s)
+    model.prefill_batch_chunk([PrefillSlice(CONTEXT, s, 0, len(CONTEXT), True) for s in seqs])
     out = []
-    for b in range(BATCHES):
-        seqs = []
-        for r in range(ROWS):
-            s = model.alloc_sequence_for(64, CONTEXT)
+    for b in range(BATCHES):  # the same context each time, other seeds: rewound after each
+        for r, s in enumerate(seqs):
             s.sampling = RowSampling(temperature=TEMPERATURE, seed=b * ROWS + r)
-            s.prompt_len = len(CONTEXT)
-            assert model.reserve_blocks(s, len(CONTEXT) + 2)
-            seqs.append(s)
-        model.prefill_batch_chunk([PrefillSlice(CONTEXT, s, 0, len(CONTEXT), True)
-                                   for s in seqs])
-        for s in seqs:
             s.output_index = 1
+            assert model.reserve_blocks(s, len(CONTEXT) + 2)
         runs = model.decode_verify_batched([FED, draft] * ROWS, [1] * ROWS, seqs)
         for run in runs:
             first = run[0].token_id
             out.append((first, run[1].token_id if first == draft else None))
         for s in seqs:
-            model.free_sequence(s)
+            model.rewind_sequence(s, len(CONTEXT))
     return out
 
 
