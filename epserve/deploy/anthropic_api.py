@@ -11,13 +11,14 @@ reshaped: a body to Anthropic's ``message``; a stream to Anthropic's events (``m
 reasoning a ``--reasoning-parser`` splits off as a ``thinking`` block, then the text, then a
 ``tool_use`` block per tool call the chat path parsed: ``input`` its arguments' JSON value,
 streamed as ``input_json_delta`` pieces after a start with ``input: {}``; ``stop_reason``
-``tool_use``), an error after the 200 as one ``error`` event that ends the stream. What the
-chat path refuses of a field this layer made (``tool_choice``, ``chat_template_kwargs`` from
-``thinking``) is said in the request's terms; ``thinking`` enabled needs a reasoning parser
-(else no thinking block could come back), and thinking blocks in the history a template that
-renders reasoning (else they would be dropped). Closing the reshaped stream closes
-the chat stream (its engine request is aborted). Every error answered under /v1/messages —
-the gate's 401/413/415, a route's 400/404, an unknown sub-path, an unexpected exception — is
+``tool_use`` whenever a call came back, forced ones too), an error after the 200 as one
+``error`` event that ends the stream. What the chat path refuses of a field this layer made
+(``tool_choice``, ``chat_template_kwargs`` from ``thinking``, a tool's ``input_schema``) is
+said in the request's terms; ``thinking`` enabled needs a reasoning parser (else no thinking
+block could come back), and thinking blocks in the history a template that renders
+reasoning (else they would be dropped). Closing the reshaped stream closes the chat stream
+(its engine request is aborted). Every error answered under /v1/messages — the gate's
+401/413/415, a route's 400/404, an unknown sub-path, an unexpected exception — is
 ``{"type": "error", "error": {"type", "message"}}`` with the error type Anthropic gives that
 status, its message naming the field by Anthropic's name.
 """
@@ -140,6 +141,7 @@ def message_body(chat: dict[str, Any]) -> dict[str, Any]:
     thought, text = _reasoning(message), message.get("content") or ""
     calls = [_tool_use(c["id"], c["function"]["name"], _input(c["function"]["arguments"]))
              for c in message.get("tool_calls") or ()]
+    reason = "tool_use" if calls and reason == "end_turn" else reason  # a forced named call
     content = ([_block("thinking", thought)] if thought else []) + \
         ([_block("text", text)] if text or not (thought or calls) else []) + calls
     return {**_shell(chat), "content": content, "stop_reason": reason,
@@ -198,6 +200,7 @@ async def message_events(chunks: AsyncIterator[str]) -> AsyncIterator[str]:
     """The chat stream (``data:`` chunks with usage in each, then ``[DONE]``) as Anthropic's
     events: the same content blocks as ``message_body`` of the whole answer."""
     blocks, started, last_usage, finish = _Blocks(), False, None, (None, None)
+    called = False
     async with contextlib.aclosing(chat_chunks(chunks)) as read:
         async for chunk in read:
             if "error" in chunk:
@@ -218,6 +221,7 @@ async def message_events(chunks: AsyncIterator[str]) -> AsyncIterator[str]:
                     for e in blocks.delta(kind, text) if text else ():
                         yield e
                 for call in choice["delta"].get("tool_calls") or ():
+                    called = True
                     for e in blocks.tool_call(call):
                         yield e
                 if choice.get("finish_reason"):
@@ -228,6 +232,7 @@ async def message_events(chunks: AsyncIterator[str]) -> AsyncIterator[str]:
     for e in blocks.close():
         yield e
     reason, sequence = _stop(*finish)
+    reason = "tool_use" if called and reason == "end_turn" else reason
     yield event({"type": "message_delta",
                  "delta": {"stop_reason": reason, "stop_sequence": sequence},
                  "usage": usage(last_usage)})
@@ -297,6 +302,9 @@ def _in_anthropic_terms(req: CountTokensRequest, chat_body: dict[str, Any],
                 f"{json.dumps(chat_body.get('tool_choice'))}" if req.tool_choice else
                 "unset, which is 'auto' with tools")
         return ApiError(exc.status, f"tool_choice: {what}: {exc.message}", param="tool_choice")
+    if exc.param == "tools":  # a tool's schema, as a forced tool_choice reads it
+        return ApiError(exc.status, exc.message.replace(".function.parameters", ".input_schema"),
+                        param="tools")
     return exc
 
 

@@ -14,8 +14,8 @@ Invariants:
   comes back as ``chatcmpl-tool-X`` (any other id is kept as it is), so a ``tool_result`` and
   the ``tool_use`` it answers carry the same id in the chat history, as a chat client's would.
 - ``tool_choice``: ``auto`` / ``none`` are the chat path's; ``any`` is its ``required`` and
-  ``{"type": "tool", "name"}`` its named function (which the chat path refuses until structured
-  output exists); ``disable_parallel_tool_use`` is ``parallel_tool_calls: false``.
+  ``{"type": "tool", "name"}`` its named function (both forced with structured output, no serve
+  flags needed); ``disable_parallel_tool_use`` is ``parallel_tool_calls: false``.
 - ``thinking``: ``enabled`` / ``disabled`` is the template's ``enable_thinking``; a
   ``budget_tokens`` is honoured only when it cannot bind (at least ``max_tokens``), and refused
   otherwise: nothing stops a thinking block early.

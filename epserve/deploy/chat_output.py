@@ -4,10 +4,12 @@ as stream deltas; and what a request's ``tools`` / ``tool_choice`` ask of the se
 
 Invariants: the reasoning is split off first, and tool calls are parsed in the content after
 it; a streamed choice's deltas add up to its whole message (the same reasoning, content, tool
-names and arguments); ``finish_reason`` is ``tool_calls`` once a choice made a call; reasoning
-goes out under both of vLLM's names, ``reasoning_content`` and ``reasoning``. ``tool_choice``
-``required`` or a named function need structured output, which this server does not have:
-they are refused with a 400, never served as ``auto``.
+names and arguments); ``finish_reason`` is ``tool_calls`` once a choice made a call (``auto``)
+and when a ``required`` choice stopped, ``stop`` for a named function, as vLLM gives them;
+reasoning goes out under both of vLLM's names, ``reasoning_content`` and ``reasoning``.
+``tool_choice`` ``required`` or a named function is forced with structured output
+(``forced_tools``), needs no serve flags, and is parsed by its own stream (never the hermes
+parser, never a reasoning split: the constraint holds from the first token).
 """
 
 from __future__ import annotations
@@ -16,6 +18,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from epserve.deploy.errors import bad_request
+from epserve.deploy.forced_tools import ForcedChoice, ForcedToolStream, forced_choice
 from epserve.deploy.openai_models import ChatCompletionRequest
 from epserve.deploy.reasoning_parser import (
     REASONING_PARSERS, ReasoningSplitter, starts_in_reasoning,
@@ -49,34 +52,41 @@ class ChatParsing:
 @dataclass(frozen=True)
 class ToolPlan:
     """What a chat request's tool fields ask for: the tools to render (None: none), whether
-    the output is parsed for calls, and whether more than one call is kept."""
+    the output is parsed for calls (``auto``), whether more than one call is kept, and the
+    forced choice (``required`` or a named function; its constraint on the output)."""
 
     render: list[dict[str, Any]] | None
     parse: bool
     parallel: bool
+    forced: ForcedChoice | None = None
+
+    @property
+    def constraint(self) -> dict[str, Any] | None:
+        """The structured output a forced choice puts on the output (None: none)."""
+        return self.forced.constraint if self.forced is not None else None
 
 
 def tool_plan(req: ChatCompletionRequest, parsing: ChatParsing) -> ToolPlan:
     """The request's tool fields checked against the server's flags, as vLLM checks them."""
     choice = req.tool_choice
     tools = [t.to_template() for t in req.tools or []] or None
-    for k, t in enumerate(req.tools or []):
-        if t.function.strict:
-            raise bad_request(f"tools.{k}.function.strict: strict schemas need structured "
-                              f"output, which this server does not support yet", param="tools")
     if choice is None:  # vLLM's default: auto with tools, none without
         choice = "auto" if req.tools else "none"
     if choice != "none" and req.tools is None:
         raise bad_request("When using `tool_choice`, `tools` must be set.", param="tool_choice")
-    if choice == "required" or not isinstance(choice, str):
-        what = "'required'" if choice == "required" else "a named function"
-        raise bad_request(f"tool_choice {what} is not supported yet: it needs structured "
-                          f"output to force the call, which this server does not have; use "
-                          f"'auto' or 'none'", param="tool_choice")
+    parallel = req.parallel_tool_calls is not False
+    forced = forced_choice(req, choice, parallel)  # no serve flags needed, as in vLLM
+    for k, t in enumerate(req.tools or []):
+        if t.function.strict and forced is None:
+            raise bad_request(f"tools.{k}.function.strict: a strict schema is enforced only "
+                              f"when tool_choice is 'required' or names a function (the call "
+                              f"is then constrained by structured output)", param="tools")
+    if forced is not None:
+        return ToolPlan(tools, False, parallel, forced)
     parse = choice == "auto" and bool(req.tools)
     if parse and not (parsing.enable_auto_tool_choice and parsing.tool_call_parser):
         raise bad_request(AUTO_NEEDS_FLAGS, param="tool_choice")
-    return ToolPlan(tools, parse, req.parallel_tool_calls is not False)
+    return ToolPlan(tools, parse, parallel)
 
 
 @dataclass
@@ -107,8 +117,10 @@ class ChoiceParser:
     """One choice's parsers: its reasoning split (or None) and its tool-call stream (or
     None)."""
 
-    def __init__(self, reasoning: ReasoningSplitter | None, tools: HermesToolStream | None):
-        self.reasoning, self.tools = reasoning, tools
+    def __init__(self, reasoning: ReasoningSplitter | None,
+                 tools: HermesToolStream | ForcedToolStream | None,
+                 forced: ForcedChoice | None = None):
+        self.reasoning, self.tools, self.forced = reasoning, tools, forced
 
     @property
     def made_calls(self) -> bool:
@@ -146,12 +158,18 @@ class ChoiceParser:
                      for c in self.tools.calls]
         thought = (a.reasoning + b.reasoning) or None
         parsed = self.reasoning is not None or self.tools is not None
+        if self.forced is not None:  # vLLM's: the calls, and an empty content
+            content, parsed = content or "", False
         return {"role": "assistant", "content": (content or None) if parsed else content,
                 "refusal": None, "tool_calls": calls, "reasoning_content": thought,
                 "reasoning": thought}
 
     def finish_reason(self, reason: str | None) -> str | None:
-        """vLLM's: ``tool_calls`` once the choice made a call."""
+        """vLLM's: ``tool_calls`` once an ``auto`` choice made a call, or when a ``required``
+        one stopped (its grammar complete); a named function's stays ``stop``."""
+        if self.forced is not None:
+            required = self.forced.name is None
+            return "tool_calls" if required and reason == "stop" and self.made_calls else reason
         return "tool_calls" if reason is not None and self.made_calls else reason
 
 
@@ -171,6 +189,9 @@ def choice_parser(parsing: ChatParsing, plan: ToolPlan, in_reasoning: bool,
                   whole: bool) -> ChoiceParser:
     """A fresh parser for one choice (``whole``: the text comes at once, so a tool-call block
     counts only once it is known to be a call)."""
+    if plan.forced is not None:  # all of the output is the call(s): no reasoning, no tags
+        return ChoiceParser(None, ForcedToolStream(plan.forced.name, plan.parallel),
+                            plan.forced)
     reasoning = ReasoningSplitter(in_reasoning) if parsing.reasoning_parser else None
     tools = HermesToolStream(plan.parallel, eager=not whole) if plan.parse else None
     return ChoiceParser(reasoning, tools)

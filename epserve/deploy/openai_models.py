@@ -313,9 +313,12 @@ def validate(model: type[BaseModel], body: dict[str, Any]) -> Any:
 
 
 def sampling_kwargs(req: _SamplingRequest, *, max_tokens: int | None, logprobs: int | None,
-                    prompt_logprobs: int | None, limits: RequestLimits) -> dict[str, Any]:
+                    prompt_logprobs: int | None, limits: RequestLimits,
+                    constraint: dict[str, Any] | None = None) -> dict[str, Any]:
     """SamplingParams keywords for ``req`` (checked: a bad value, or one over the engine's
-    ``limits``, is a 400 naming it, before this side allocates anything per choice)."""
+    ``limits``, is a 400 naming it, before this side allocates anything per choice).
+    ``constraint``: the structured output the server puts on the output (a forced
+    ``tool_choice``'s) in place of the request's own, which it must not have."""
     kw: dict[str, Any] = dict(
         n=req.n, seed=req.seed, max_tokens=max_tokens, min_tokens=req.min_tokens,
         stop=req.stop, stop_token_ids=req.stop_token_ids, ignore_eos=req.ignore_eos,
@@ -328,7 +331,8 @@ def sampling_kwargs(req: _SamplingRequest, *, max_tokens: int | None, logprobs: 
             kw[name] = v
     if isinstance(kw["stop"], list):
         kw["stop"] = list(kw["stop"])
-    structured = structured_fields(req)  # a 400 naming the field when invalid
+    # a 400 naming the field when invalid
+    structured = constraint if constraint is not None else structured_fields(req)
     if structured is not None:
         kw["structured_outputs"] = structured
     try:

@@ -37,7 +37,8 @@ from epserve.deploy.responses_models import ResponsesRequest, parse
 PREFIX = "/v1/responses"
 #: The chat body's field -> the Responses field it came from.
 _RESPONSES_NAME = {"messages": "input", "max_completion_tokens": "max_output_tokens",
-                   "max_tokens": "max_output_tokens", "chat_template_kwargs": "reasoning"}
+                   "max_tokens": "max_output_tokens", "chat_template_kwargs": "reasoning",
+                   "response_format": "text"}
 
 
 def _id(prefix: str) -> str:
@@ -47,7 +48,8 @@ def _id(prefix: str) -> str:
 def _renamed(exc: ApiError) -> ApiError:
     """A chat error with the Responses field names."""
     param = _RESPONSES_NAME.get(exc.param, exc.param) if exc.param else None
-    message = exc.message
+    message = exc.message.replace("response_format", "text.format").replace(
+        ".function.parameters", ".parameters")  # the tools are flat here
     if exc.param == "chat_template_kwargs":
         message = message.replace("chat_template_kwargs.reasoning_effort",
                                   "reasoning.effort (the template's reasoning_effort)")

@@ -40,7 +40,7 @@ class FunctionTool(BaseModel):
     name: str
     description: str | None = None
     parameters: dict[str, Any] | None = None
-    strict: bool | None = None  # true needs structured output: the chat path refuses it
+    strict: bool | None = None  # true: the chat path enforces it for a forced tool_choice only
 
     def to_chat(self) -> dict[str, Any]:
         fn = self.model_dump(exclude={"type"}, exclude_none=True)

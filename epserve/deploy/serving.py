@@ -269,8 +269,8 @@ class OpenAIServing:
                             "max_completion_tokens" if req.max_completion_tokens is not None
                             else "max_tokens")
         logprobs = (req.top_logprobs or 0) if req.logprobs else None
-        kw = sampling_kwargs(req, max_tokens=max_tokens, logprobs=logprobs,
-                             prompt_logprobs=req.prompt_logprobs, limits=self.info.limits)
+        kw = sampling_kwargs(req, max_tokens=max_tokens, logprobs=logprobs, limits=self.info.limits,
+                             prompt_logprobs=req.prompt_logprobs, constraint=plan.constraint)
         if plan.parse:  # as vLLM's hermes parser: tool tags may be special tokens
             kw["skip_special_tokens"] = False
         head = R.Head.new("chatcmpl", "chat.completion", self.info.name)

@@ -38,9 +38,11 @@ def new_call_id() -> str:
 
 class CallScanner:
     """One block's body read as it arrives, at the top level of a JSON object: the ``name``
-    once its string is complete, and where the ``arguments`` value starts and ends."""
+    once its string is complete, and where the ``args_key`` value (``arguments``) starts and
+    ends."""
 
-    def __init__(self) -> None:
+    def __init__(self, args_key: str = "arguments") -> None:
+        self.args_key = args_key
         self.text = ""
         self.state = "pre"  # pre key colon value in_value scalar after done bad
         self.depth = 0
@@ -96,7 +98,7 @@ class CallScanner:
             self.state = "value" if c == ":" else "bad"
         elif st == "value":
             self._start = i
-            if self._key == "arguments":
+            if self._key == self.args_key:
                 self.args_start, self.args_kind = i, c if c in '{["' else "scalar"
             if c == '"':
                 self._in_str, self.state = True, "in_value"
@@ -126,7 +128,7 @@ class CallScanner:
     def _value_end(self, end: int) -> None:
         if self._key == "name" and self.text[self._start] == '"' and self.name is None:
             self.name = _loads(self.text[self._start:end])
-        if self._key == "arguments":
+        if self._key == self.args_key:
             self.args_end = end
         self.state, self._key = "after", None
 
