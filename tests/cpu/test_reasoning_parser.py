@@ -143,9 +143,11 @@ def test_auto_needs_the_server_flags_as_in_vllm():
 
 @pytest.mark.parametrize("choice", ["required",
                                     {"type": "function", "function": {"name": "get_weather"}}])
-def test_required_and_named_choices_are_refused_until_structured_output(choice):
-    err = _refused(PARSING, tools=TOOLS, tool_choice=choice)
-    assert err.param == "tool_choice" and "not supported yet" in err.message
+def test_required_and_named_choices_are_forced_calls_without_the_server_flags(choice):
+    """As vLLM: no --enable-auto-tool-choice needed; the output is constrained (structured
+    output), not parsed for <tool_call> tags."""
+    plan = tool_plan(_req(tools=TOOLS, tool_choice=choice), ChatParsing())
+    assert plan.forced is not None and not plan.parse and plan.constraint is not None
 
 
 def test_other_tool_field_errors():

@@ -124,17 +124,6 @@ def test_tool_choice_none_renders_tools_and_parses_nothing(scripted_server, clau
     assert msg.usage.input_tokens + msg.usage.cache_read_input_tokens == told.input_tokens
 
 
-@pytest.mark.parametrize("choice, chat", [({"type": "any"}, '"required"'),
-                                          ({"type": "tool", "name": "get_weather"},
-                                           '"function"')])
-def test_forced_tool_choices_are_refused_until_structured_output(scripted_server, claude,
-                                                                 choice, chat):
-    says = _refused(_create, claude=claude, srv=scripted_server, tools=TOOLS,
-                    tool_choice=choice)
-    assert says.startswith("tool_choice: ") and "not supported yet" in says, says
-    assert chat in says, says
-
-
 # ---------------------------------------------------------------- the tool loop
 
 

@@ -247,9 +247,6 @@ def test_tool_refusals(server, client, scripted_server, scripted_client):
     assert err.param == "tool_choice", err.body
     create = scripted_client.responses.create
     kw = dict(model=scripted_server.model, input=ASK, max_output_tokens=2)
-    for choice in ("required", {"type": "function", "name": "get_weather"}):
-        err = _refused(create, tools=TOOLS, tool_choice=choice, **kw)
-        assert err.param == "tool_choice" and "not supported yet" in err.message
     err = _refused(create, tools=[{"type": "web_search"}], **kw)
     assert err.param == "tools" and "tools.0.type" in err.message
 

@@ -75,15 +75,6 @@ def test_auto_tool_choice_needs_the_servers_flags(server, client):
         assert err.param == "tool_choice" and err.body["message"] == AUTO_NEEDS_FLAGS, err.body
 
 
-@pytest.mark.parametrize("choice", ["required",
-                                    {"type": "function", "function": {"name": "get_weather"}}])
-def test_required_and_named_tool_choice_are_refused_not_ignored(scripted_server,
-                                                                 scripted_client, choice):
-    err = _refused(scripted_client.chat.completions.create, model=scripted_server.model,
-                   messages=ASK, max_tokens=2, tools=TOOLS, tool_choice=choice)
-    assert err.param == "tool_choice" and "not supported yet" in err.message, err.body
-
-
 def test_tool_field_mistakes_are_400s_naming_them(scripted_server, scripted_client):
     create = scripted_client.chat.completions.create
     kw = dict(model=scripted_server.model, messages=ASK, max_tokens=2)
