@@ -41,6 +41,14 @@ def _prepare(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, qk_l2norm: bool,
     return q * q.shape[-1] ** -0.5, k, v
 
 
+def _setup(q, k, v, g, beta, state, cu_seqlens: Sequence[int], qk_l2norm: bool) -> tuple:
+    """Checked, float32 inputs in the value heads' layout, an output buffer and a copy of the
+    states: (q, k, v, g, beta, out, states)."""
+    _check(q, k, v, g, beta, state, cu_seqlens)
+    q, k, v = _prepare(q, k, v, qk_l2norm)
+    return q, k, v, g.float(), beta.float(), torch.empty_like(v), state.float().clone()
+
+
 def _check(q, k, v, g, beta, state, cu_seqlens: Sequence[int]) -> None:
     t, hk, dk = k.shape
     hv, dv = v.shape[1:]
@@ -59,12 +67,8 @@ def recurrent_ref(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Te
                   beta: torch.Tensor, state: torch.Tensor, cu_seqlens: Sequence[int],
                   qk_l2norm: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
     """The rule token by token (see the module)."""
-    _check(q, k, v, g, beta, state, cu_seqlens)
     dtype = v.dtype
-    q, k, v = _prepare(q, k, v, qk_l2norm)
-    g, beta = g.float(), beta.float()
-    out = torch.empty_like(v)
-    new = state.float().clone()
+    q, k, v, g, beta, out, new = _setup(q, k, v, g, beta, state, cu_seqlens, qk_l2norm)
     for s in range(len(cu_seqlens) - 1):
         st = new[s]  # [Hv, Dk, Dv]
         for t in range(cu_seqlens[s], cu_seqlens[s + 1]):
@@ -87,12 +91,8 @@ def chunked_ref(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tens
     ``L_ij = beta_i exp(G_i - G_j) k_i . k_j`` (j < i), solved by forward substitution. Then
     ``o_i = exp(G_i) q_i S + sum_{j<=i} exp(G_i - G_j) (q_i . k_j) u_j`` and the exit state is
     ``exp(G_c) S + sum_j exp(G_c - G_j) k_j u_j^T``."""
-    _check(q, k, v, g, beta, state, cu_seqlens)
     dtype = v.dtype
-    q, k, v = _prepare(q, k, v, qk_l2norm)
-    g, beta = g.float(), beta.float()
-    out = torch.empty_like(v)
-    new = state.float().clone()
+    q, k, v, g, beta, out, new = _setup(q, k, v, g, beta, state, cu_seqlens, qk_l2norm)
     for s in range(len(cu_seqlens) - 1):
         st = new[s].clone()  # [H, Dk, Dv]
         for a in range(cu_seqlens[s], cu_seqlens[s + 1], chunk):
