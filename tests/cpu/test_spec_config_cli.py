@@ -47,6 +47,14 @@ BAD = [
 
 
 @pytest.mark.parametrize("spec, named", BAD, ids=[json.dumps(b[0]) for b in BAD])
+def test_serve_yaml_refuses_a_bad_speculative_config_naming_the_key(demo_model_dir, spec, named):
+    """serve.yaml's args (and the CLI's, below) go through the same check."""
+    with pytest.raises(ValueError) as err:
+        AppConfig.from_dict({"model": str(demo_model_dir), "speculative_config": spec})
+    assert all(word in str(err.value) for word in named), str(err.value)
+
+
+@pytest.mark.parametrize("spec, named", [BAD[0], BAD[3]], ids=["method", "k"])
 def test_serve_refuses_a_bad_speculative_config_naming_the_key(env, demo_model_dir, spec,
                                                                named):
     proc = _serve(env, demo_model_dir, json.dumps(spec))
@@ -56,10 +64,6 @@ def test_serve_refuses_a_bad_speculative_config_naming_the_key(env, demo_model_d
     assert len(lines) == 1 and lines[0].startswith("epserve: error: "), proc.stderr
     for word in named:
         assert word in lines[0], lines[0]
-    # serve.yaml's args go through AppConfig.from_dict: the same refusal, naming the same key
-    with pytest.raises(ValueError) as err:
-        AppConfig.from_dict({"model": str(demo_model_dir), "speculative_config": spec})
-    assert all(word in str(err.value) for word in named), str(err.value)
 
 
 @pytest.mark.parametrize("text, said", [
