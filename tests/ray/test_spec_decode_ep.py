@@ -2,8 +2,8 @@
 
 ``LLM(ep_size=2)`` (and an engine over three ranks, below) with ``speculative_config`` give
 the tokens (and log-probabilities) of one rank with and without speculation, on a batch with
-chunked prefill, a prefix-cache hit, preemption, seeded sampling and prompts whose repeated phrases the model
-loops on (so drafts are accepted, verify rows carry several tokens and rejected tails are
+chunked prefill, a prefix-cache hit, preemption, seeded sampling and prompts whose repeated
+phrases the model loops on (so drafts are accepted, verify rows carry several tokens and rejected tails are
 rewound on every rank). A malformed verify row or rewind in one step's command is refused by
 every rank alike: only the request it names fails, with the refusal as its error; the other
 requests of that step and the next requests come out exactly as on one rank. That holds when
