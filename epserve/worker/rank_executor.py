@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+from operator import itemgetter
 from typing import Any
 
 import numpy as np
@@ -135,7 +136,8 @@ class RankExecutor:
             return None
         ids = np.where(feed == FEED_DEVICE, self.last_token[slot], feed)
         samp = self.sampling
-        sampling = [samp[s] for s in slot.tolist()]
+        sampling = list(itemgetter(*slot.tolist())(samp)) if len(slot) > 1 else [
+            samp[s] for s in slot.tolist()]
         output_index = oidx.tolist()
         if verify:  # each position a one-token row after the decode rows
             slot = np.concatenate([slot] + [np.full(len(v.tokens), v.slot) for v in verify])

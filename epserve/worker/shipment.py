@@ -12,6 +12,7 @@ one array, not 256 objects.
 
 from __future__ import annotations
 
+from operator import attrgetter
 from typing import Any, Sequence
 
 from epserve.models.traits import SequenceState
@@ -19,6 +20,7 @@ from epserve.worker.step_command import (
     FEED_DEVICE, BlockUpdate, DecodeRows, NewSeq, SamplingUpdate,
 )
 
+_SLOT, _OUTPUT_INDEX = attrgetter("slot_idx"), attrgetter("output_index")
 _UNKNOWN = -1  # block count of a slot whose sequence the ranks do not know
 _NO_TOKEN = -2  # last token of a slot that has sampled none (never equals a fed token)
 
@@ -89,15 +91,16 @@ class Shipment:
         view = self.view
         ms = view.max_slots
         if view.world_size == 1:
-            flat = [s.slot_idx for s in seqs]
+            flat = list(map(_SLOT, seqs))
         else:
             flat = [s.rank * ms + s.slot_idx for s in seqs]
         nb, samp, last = view.nblocks, view.sampling, view.last_token
-        for s, x in zip(seqs, flat):  # new blocks, a new sequence or a changed sampling
-            if len(s.block_table) != nb[x] or s.sampling is not samp[x]:
-                self.sequence(s)
+        # new blocks, a new sequence or a changed sampling
+        for s in [s for s, x in zip(seqs, flat)
+                  if len(s.block_table) != nb[x] or s.sampling is not samp[x]]:
+            self.sequence(s)
         feed = [FEED_DEVICE if last[x] == t else t for x, t in zip(flat, tokens)]
-        oidx = [s.output_index for s in seqs]
+        oidx = list(map(_OUTPUT_INDEX, seqs))
         if view.world_size == 1:
             return DecodeRows.of([0] * len(flat), flat, feed, oidx)
         return DecodeRows.of([x // ms for x in flat], [x % ms for x in flat], feed, oidx)

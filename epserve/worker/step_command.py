@@ -114,6 +114,9 @@ class DecodeRow:
     output_index: int
 
 
+_NO_COLS = np.zeros((4, 0), dtype=np.int32)
+
+
 class DecodeRows:
     """The decode rows as four int32 columns (rank, slot, feed, output_index): 256 rows are one
     4 KiB blob on the wire and numpy arrays on arrival, not 256 objects to build and check."""
@@ -122,18 +125,22 @@ class DecodeRows:
 
     def __init__(self, cols: "np.ndarray | None" = None, *, fits: bool = False):
         """``fits``: the caller knows every value fits in int32 (decoded, or joined checked)."""
-        c = np.zeros((4, 0), dtype=np.int64) if cols is None else np.asarray(cols, np.int64)
+        c = _NO_COLS if cols is None else np.asarray(cols)
         if c.ndim != 2 or c.shape[0] != 4:
             raise ProtocolError(f"decode rows: expected 4 columns, got shape {c.shape}")
-        if not fits and c.size and (c.min() < -(2**31) or c.max() >= 2**31):
-            raise ProtocolError("decode rows: a value does not fit in int32")
+        if c.dtype != np.int32:
+            if c.dtype.kind not in "iu":
+                raise ProtocolError(f"decode rows: expected integers, got {c.dtype}")
+            if not fits and c.size and (c.min() < -(2**31) or c.max() >= 2**31):
+                raise ProtocolError("decode rows: a value does not fit in int32")
+            c = c.astype(np.int32)
         self.cols = c
 
     @classmethod
     def of(cls, rank: Sequence[int], slot: Sequence[int], feed: Sequence[int],
            output_index: Sequence[int]) -> "DecodeRows":
-        try:
-            cols = np.array([rank, slot, feed, output_index], dtype=np.int64).reshape(4, -1)
+        try:  # int32 at once: numpy refuses a Python int that does not fit
+            cols = np.array([rank, slot, feed, output_index], dtype=np.int32).reshape(4, -1)
         except (OverflowError, ValueError, TypeError) as exc:
             raise ProtocolError(f"decode rows: {exc}") from None
         return cls(cols)
@@ -163,7 +170,7 @@ class DecodeRows:
         return f"DecodeRows({list(self)!r})"
 
     def to_bytes(self) -> bytes:
-        return self.cols.astype("<i4").tobytes()
+        return self.cols.astype("<i4", copy=False).tobytes()
 
     @classmethod
     def from_bytes(cls, blob: bytes, max_rows: int | None = None) -> "DecodeRows":
@@ -171,7 +178,8 @@ class DecodeRows:
             raise ProtocolError(f"decode rows: {len(blob)} bytes is not a whole number of rows")
         if max_rows is not None and len(blob) // 16 > max_rows:
             raise ProtocolError(f"decode rows: {len(blob) // 16} rows exceed {max_rows}")
-        return cls(np.frombuffer(blob, dtype="<i4").astype(np.int64).reshape(4, -1), fits=True)
+        return cls(np.frombuffer(blob, dtype="<i4").astype(np.int32, copy=False).reshape(4, -1),
+                   fits=True)
 
 
 @dataclass(frozen=True, slots=True)
