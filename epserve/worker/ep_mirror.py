@@ -140,8 +140,10 @@ class EpMirror:
                       fail: "_Failer") -> np.ndarray:
         """Block counts after the command's rewinds and block updates (``lens``: KV lengths,
         rewound here)."""
-        counts = (self.nblocks.copy() if cmd.new_seqs or cmd.block_updates or cmd.rewinds
-                  else self.nblocks)
+        counts = (self.nblocks.copy() if cmd.releases or cmd.new_seqs or cmd.block_updates
+                  or cmd.rewinds else self.nblocks)
+        for r in cmd.releases:  # invariant: a slot that is not live has no blocks
+            counts[r.rank, r.slot] = 0
         for n in cmd.new_seqs:
             counts[n.rank, n.slot] = 0
         for r in cmd.rewinds:  # back, never forward: to fewer tokens in fewer blocks
@@ -237,19 +239,34 @@ class EpMirror:
                       lens: np.ndarray, fail: "_Failer") -> np.ndarray:
         """All decode rows at once; returns their flat slot keys and keeps them with the rows'
         positions (``decode_keys``, ``decode_pos``) for ``apply`` and the rank's rows. A few
-        whole-array calls (at a few hundred rows a step's host time is per-call overhead);
-        only a failing check looks for the row to name."""
+        whole-array calls (at a few hundred rows a step's host time is per-call overhead):
+        the columns' bounds, then one test that each row's sequence has room for its token
+        (a slot that is not live has no blocks: ``_check_blocks``), then duplicates. Only a
+        failing check looks for the row to name (``_decode_problem``)."""
         cols = cmd.decode.cols
+        if not cols.shape[1]:
+            self.decode_keys = self.decode_pos = _NO_ROWS
+            return _NO_ROWS
+        lo, hi = np.minimum.reduce(cols, 1).tolist(), np.maximum.reduce(cols, 1).tolist()
+        if (lo[0] < 0 or hi[0] >= self.world_size or lo[1] < 0 or hi[1] >= self.max_slots
+                or lo[2] < FEED_DEVICE or hi[2] >= self.vocab_size or lo[3] < 0):
+            self._decode_problem(cols, live, blocks, lens, fail)
+        keys = cols[1] if self.world_size == 1 else cols[0] * self.max_slots + cols[1]
+        ln = lens.ravel()[keys]
+        if (blocks.ravel()[keys] * self.block_size <= ln).any() or np.bincount(keys).max() > 1:
+            self._decode_problem(cols, live, blocks, lens, fail)
+        self.decode_keys, self.decode_pos = keys, ln
+        return keys
+
+    def _decode_problem(self, cols: np.ndarray, live: np.ndarray, blocks: np.ndarray,
+                        lens: np.ndarray, fail: "_Failer") -> None:
+        """Raise the ``EpCommandFailed`` that names the first bad decode row."""
         rank, slot, feed, oidx = cols
-        if not len(rank):
-            self.decode_keys = self.decode_pos = rank
-            return rank
-        lo, hi = cols.min(axis=1).tolist(), cols.max(axis=1).tolist()
-        if lo[0] < 0 or hi[0] >= self.world_size or lo[1] < 0 or hi[1] >= self.max_slots:
-            bad = (rank < 0) | (rank >= self.world_size) | (slot < 0) | (slot >= self.max_slots)
+        bad = (rank < 0) | (rank >= self.world_size) | (slot < 0) | (slot >= self.max_slots)
+        if bad.any():
             i = int(bad.argmax())
             fail(f"decode row {i}: rank {rank[i]} / slot {slot[i]} out of range")
-        keys = rank * self.max_slots + slot if self.world_size > 1 else slot
+        keys = rank * self.max_slots + slot
         alive = live.ravel()[keys]
         if not alive.all():
             i = int((~alive).argmax())
@@ -257,17 +274,15 @@ class EpMirror:
                  _row_key(rank, slot, i))
         if int(np.bincount(keys).max()) > 1:
             fail("decode row: a sequence appears twice")
-        if lo[2] < FEED_DEVICE or hi[2] >= self.vocab_size:
-            i = int(((feed < FEED_DEVICE) | (feed >= self.vocab_size)).argmax())
+        bad = (feed < FEED_DEVICE) | (feed >= self.vocab_size)
+        if bad.any():
+            i = int(bad.argmax())
             fail(f"decode row {i}: token outside the vocab", _row_key(rank, slot, i))
         ln = lens.ravel()[keys]
-        nok = ln >= blocks.ravel()[keys] * self.block_size
-        if lo[3] < 0 or nok.any():
-            i = int((nok | (oidx < 0)).argmax())
-            fail(f"decode row {i}: no KV block for position {ln[i]} of ({rank[i]}, {slot[i]})",
-                 _row_key(rank, slot, i))
-        self.decode_keys, self.decode_pos = keys, ln
-        return keys
+        bad = (ln >= blocks.ravel()[keys] * self.block_size) | (oidx < 0)
+        i = int(bad.argmax())
+        fail(f"decode row {i}: no KV block for position {ln[i]} of ({rank[i]}, {slot[i]})",
+             _row_key(rank, slot, i))
 
     # ------------------------------------------------------------------ apply
 
@@ -295,6 +310,9 @@ class EpMirror:
             self.seq_len[v.rank, v.slot] = at + len(v.drafts) + 1
         for p in cmd.prefill:
             self.seq_len[p.rank, p.slot] = p.start + len(p.tokens)
+
+
+_NO_ROWS = np.zeros(0, dtype=np.int64)
 
 
 def _row_key(rank: np.ndarray, slot: np.ndarray, i: int) -> tuple[int, int]:
