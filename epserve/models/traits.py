@@ -80,6 +80,8 @@ class RowSampling:
     on (seed, index) only: reproducible across batches, preemption and ranks.
     ``banned_token_ids``: ids never sampled now (EOS and stop ids while under ``min_tokens``).
     ``logprobs``: top-k alternatives to return with each sampled token; ``None`` returns none.
+    ``logit_bias``: (token id, bias) pairs, ids rising, each bias in [-100, 100], added to the
+    row's logits before it samples (greedy too); its logprobs stay those of the raw logits.
     """
 
     temperature: float = 1.0
@@ -89,6 +91,7 @@ class RowSampling:
     seed: int = 0
     banned_token_ids: tuple[int, ...] = ()
     logprobs: int | None = None
+    logit_bias: tuple[tuple[int, float], ...] = ()
 
 
 @dataclass(frozen=True, slots=True)

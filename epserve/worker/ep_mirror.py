@@ -39,10 +39,13 @@ class EpMirror:
     """All ranks' live sequences, keyed by ``(rank, slot)``."""
 
     def __init__(self, world_size: int, num_blocks: int, block_size: int, max_slots: int,
-                 max_blocks_per_seq: int, vocab_size: int, lookahead: bool = False):
+                 max_blocks_per_seq: int, vocab_size: int, lookahead: bool = False,
+                 max_logprobs: int = MAX_LOGPROBS):
         """``lookahead``: the rank can run ``KIND_DECODE_AHEAD`` steps (one rank, a runner
-        with the decode lookahead); elsewhere such a step is refused."""
+        with the decode lookahead); elsewhere such a step is refused. ``max_logprobs``: the
+        engine's bound on a row's logprobs and prompt logprobs."""
         self.world_size = world_size
+        self.max_logprobs = max_logprobs
         self.lookahead = lookahead
         self.num_blocks = num_blocks
         self.block_size = block_size
@@ -126,13 +129,14 @@ class EpMirror:
             fail(f"new sequence {key} is already live")
         if n.seq_len < 0 or n.prompt_len < 1:
             fail(f"new sequence {key}: seq_len {n.seq_len}, prompt_len {n.prompt_len}", key)
-        if not -1 <= n.prompt_logprobs <= MAX_LOGPROBS:
+        if not -1 <= n.prompt_logprobs <= self.max_logprobs:
             fail(f"new sequence {key}: prompt_logprobs {n.prompt_logprobs}", key)
         self._check_sampling(n.sampling, fail, key)
 
     def _check_sampling(self, s: RowSampling, fail: "_Failer", key: tuple[int, int]) -> None:
         found = row_sampling_problem(s.temperature, s.top_p, s.top_k, s.min_p, s.seed,
-                                     s.logprobs, s.banned_token_ids, self.vocab_size)
+                                     s.logprobs, s.banned_token_ids, self.vocab_size,
+                                     s.logit_bias, self.max_logprobs)
         if found is not None:
             fail(f"sampling of {key}: {found[0]} {found[1]}", key)
 

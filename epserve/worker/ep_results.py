@@ -4,7 +4,8 @@ Invariants: nothing is pickled; a frame is ``[PROTOCOL_VERSION, step_id, rank, s
 sampled alternatives, prompt logprobs, their alternatives, verified, their alternatives]`` read against that layout
 (``worker.wire``) with the same strict types as commands: fixed-width records (slot and token
 int64, logprob float64), sampled tokens sorted by slot (each slot once), prompt logprobs grouped
-by slot (slots rising, positions in order), at most ``MAX_LOGPROBS`` alternatives an entry;
+by slot (slots rising, positions in order), at most the engine's ``max_logprobs``
+alternatives an entry (``WireLimits.max_logprobs``; ``MAX_LOGPROBS`` without limits);
 anything else is a ``ProtocolError``. A decoded result keeps the records and builds
 ``SampledToken`` / ``PromptTokenLogprob`` objects only for the slots read, so decoding costs at
 most about 2x the frame's size in memory.
@@ -63,6 +64,14 @@ SAMPLED = _entries("sampled", SampledToken)
 PROMPT = _entries("prompt_logprobs", PromptTokenLogprob)
 VERIFIED = _entries("verified", SampledToken)
 _LAYOUT = "iii" + "b" * 6
+_FRAME_SLACK = 4096  # the frame's header and its bins' length prefixes, with room to spare
+
+
+def max_logprobs_in_frame(entries: int) -> int:
+    """The most alternatives per entry with which ``entries`` entries (a step's tokens) still
+    fit one result frame."""
+    return max(0, ((MAX_FRAME_BYTES - _FRAME_SLACK) // max(entries, 1) - _ENTRY.itemsize)
+               // _TOP.itemsize)
 _CACHE_ROWS = 4096  # rows a result keeps once read: ~1 MiB with no alternatives, ~11 with 20
 
 
@@ -141,11 +150,12 @@ def decode_result(frame: bytes, limits: WireLimits | None = None) -> RankResult:
     token budget."""
     f = read_fields(frame, _LAYOUT, PROTOCOL_VERSION, MAX_FRAME_BYTES, "result frame")
     slots, tokens = (None, None) if limits is None else (limits.max_slots, limits.max_step_tokens)
+    k = MAX_LOGPROBS if limits is None else limits.max_logprobs
     try:
-        sampled = decode_table(SAMPLED, f[3], f[4], slots, MAX_LOGPROBS)
-        prompt = decode_table(PROMPT, f[5], f[6], tokens, MAX_LOGPROBS)
+        sampled = decode_table(SAMPLED, f[3], f[4], slots, k)
+        prompt = decode_table(PROMPT, f[5], f[6], tokens, k)
         verified = decode_table(VERIFIED, f[7], f[8], None if slots is None
-                                else slots * (MAX_DRAFT_TOKENS + 1), MAX_LOGPROBS)
+                                else slots * (MAX_DRAFT_TOKENS + 1), k)
         return RankResult(f[1], f[2], BySlot(sampled, True), BySlot(prompt, False),
                           BySlot(verified, False))
     except ProtocolError:

@@ -22,6 +22,7 @@ import numpy as np
 
 from epserve.kernels.token_mask import mask_words
 from epserve.models.acceptance import accepted
+from epserve.models.sampling_rules import resolve_max_logprobs
 from epserve.models.traits import EpCommandFailed, RowSampling
 from epserve.worker.batch import RankRows, StepInputs, VerifyRun
 from epserve.worker.ep_mirror import EpMirror
@@ -51,14 +52,15 @@ class RankExecutor:
         self.rank = rank
         self.world_size = world_size
         max_slots = runner.cfg.max_num_seqs
+        vocab = runner.model_config.vocab_size
+        max_logprobs = resolve_max_logprobs(runner.cfg.max_logprobs, vocab)  # engine option
         self.mirror = EpMirror(world_size, runner.num_blocks, runner.block_size, max_slots,
-                               runner.tables.max_blocks_per_seq,
-                               runner.model_config.vocab_size,
-                               lookahead=runner.lookahead is not None)
+                               runner.tables.max_blocks_per_seq, vocab,
+                               lookahead=runner.lookahead is not None, max_logprobs=max_logprobs)
         # what a correct leader never exceeds: a frame beyond it is refused before any row
         # is built (bounds the work a hostile or corrupt frame can cause)
         self.limits = WireLimits(world_size, max_slots, runner.tables.max_blocks_per_seq,
-                                 mask_words=mask_words(runner.model_config.vocab_size))
+                                 mask_words=mask_words(vocab), max_logprobs=max_logprobs)
         self.sampling: list[RowSampling | None] = [None] * max_slots
         self.last_token = np.full(max_slots, -1, dtype=np.int64)
         self.failures: list[EpCommandFailed] = []

@@ -6,6 +6,8 @@ from dataclasses import dataclass
 
 import torch
 
+from epserve.models.sampling_rules import MAX_LOGPROBS
+
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
@@ -18,7 +20,9 @@ class RunnerConfig:
     ``warmup_tokens`` > 0 (CUDA, one rank): an eager forward of that many padded prompt rows
     at start, so the prefill-size Triton kernels compile before the first request, not in it.
     ``decode_lookahead``: queue each pure decode step's likely successor on the device before
-    the host reads its tokens (``worker.lookahead``); None: on wherever decode graphs are."""
+    the host reads its tokens (``worker.lookahead``); None: on wherever decode graphs are.
+    ``max_logprobs``: the engine's bound on a row's logprobs (-1: the vocabulary size), which
+    the rank's validator holds every command to."""
 
     model: str
     dtype: str = "auto"
@@ -36,6 +40,7 @@ class RunnerConfig:
     enforce_eager: bool = False
     warmup_tokens: int = 0
     decode_lookahead: bool | None = None
+    max_logprobs: int = MAX_LOGPROBS
 
 
 def resolve_device(name: str) -> torch.device:

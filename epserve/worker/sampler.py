@@ -3,14 +3,17 @@
 Invariants: a row's draw depends only on (its ``RowSampling``, its output index, its logits),
 never on the other rows or their order: its noise is a counter-based hash of
 ``mix_seed(seed, output_index)`` and the vocab id (``epserve.kernels.sampling_noise``), so the
-CPU reference and the CUDA kernel draw the same token from the same logits. Greedy is argmax
-with ties to the lowest id. Banned ids are never picked (greedy included). Random rows draw by
-Gumbel-max on ``logits / temperature`` restricted to the top-k / top-p / min-p kept set (a
-prefix of the stable descending sort). Logprobs are of the raw logits (before banning,
-temperature and filters), as vLLM's default; ties in a top-k list keep the lower id first.
+CPU reference and the CUDA kernel draw the same token from the same logits. A row's
+``logit_bias`` is added to its logits first (greedy and sampled alike); a step with no biased
+row copies nothing. Greedy is argmax with ties to the lowest id. Banned ids are never picked
+(greedy included). Random rows draw by Gumbel-max on ``logits / temperature`` restricted to the
+top-k / top-p / min-p kept set (a prefix of the stable descending sort). Logprobs are of the raw
+logits (before biases, banning, temperature and filters), as vLLM's default; ties in a top-k
+list keep the lower id first.
 
-Device work: one batched launch for all rows (plus one sort over the rows with filters); the
-per-row parameters travel in two host tensors (pinned, non-blocking on CUDA); the only host
+Device work: one batched launch for all rows (plus one sort over the rows with filters, and one
+indexed add into a copy of the logits when a row has a bias); the per-row parameters travel in
+two host tensors (pinned, non-blocking on CUDA); the only host
 sync is the final read-back of tokens and logprobs.
 """
 
@@ -159,31 +162,38 @@ def launch_sample(logits: torch.Tensor, rows: Sequence[RowSampling],
     nb = max(len(b) for b in bans)
     filt = [i for i, r in enumerate(rows) if not greedy[i] and _is_filtered(r, v)]
     want = [i for i, r in enumerate(rows) if r.logprobs is not None]
-    nf, nw = len(filt), len(want)
+    biased = [(i, t, b) for i, r in enumerate(rows) for t, b in r.logit_bias if 0 <= t < v]
+    nf, nw, nbias = len(filt), len(want), len(biased)
     ints = [0 if g else _as_int64(mix_seed(r.seed, o))
             for r, o, g in zip(rows, output_indices, greedy)]
     ints += [0 if g else 1 for g in greedy]
     ints += [t for b in bans for t in b + [-1] * (nb - len(b))]
     ints += filt + [rows[i].top_k if 0 < rows[i].top_k < v else v for i in filt] + want
+    ints += [i for i, _, _ in biased] + [t for _, t, _ in biased]
     floats = [1.0 if g else 1.0 / r.temperature for r, g in zip(rows, greedy)]
     floats += [rows[i].top_p for i in filt]
     floats += [math.log(rows[i].min_p) if rows[i].min_p > 0 else -math.inf for i in filt]
+    floats += [b for _, _, b in biased]
     it, ft = _ship(ints, torch.int64, dev), _ship(floats, torch.float32, dev)
     keys, noisy = it[:n], it[n:2 * n]
     banned = it[2 * n:2 * n + n * nb].view(n, nb)
-    f_idx, f_k, w_idx = it[2 * n + n * nb:].split([nf, nf, nw])
-    inv_t, f_p, f_logmin = ft.split([n, nf, nf])
+    f_idx, f_k, w_idx, b_row, b_tok = it[2 * n + n * nb:].split([nf, nf, nw, nbias, nbias])
+    inv_t, f_p, f_logmin, b_val = ft.split([n, nf, nf, nbias])
+    x = logits  # what the rows sample from; the logprobs below read the raw logits
+    if biased:  # each (row, token) once: a plain indexed add
+        x = logits.to(torch.float32, copy=True)
+        x[b_row, b_tok] += b_val
 
     thr = torch.full((n,), float("-inf"), device=dev)
     tid = torch.full((n,), v, dtype=torch.int64, device=dev)
     if filt:
-        s = logits.index_select(0, f_idx).float() * inv_t.index_select(0, f_idx).unsqueeze(1)
+        s = x.index_select(0, f_idx).float() * inv_t.index_select(0, f_idx).unsqueeze(1)
         apply_bans(s, banned.index_select(0, f_idx))
         f_thr, f_tid = _cutoffs(s, f_k, f_p, f_logmin, any(rows[i].top_p < 1.0 for i in filt),
                                 any(rows[i].min_p > 0.0 for i in filt))
         thr.index_copy_(0, f_idx, f_thr)
         tid.index_copy_(0, f_idx, f_tid)
-    tokens = gumbel_argmax(logits, keys, inv_t, noisy, thr, tid, banned)
+    tokens = gumbel_argmax(x, keys, inv_t, noisy, thr, tid, banned)
 
     parts = [tokens.to(torch.float64)]
     kmax = min(max((rows[i].logprobs or 0 for i in want), default=0), v)

@@ -5,7 +5,7 @@ Invariants: nothing is pickled; a frame is the msgpack array ``[PROTOCOL_VERSION
 kind, <row tables>]`` and is read against exactly that layout (``worker.wire``); every row kind
 travels as one bin of fixed-width little-endian records (ints are int64, seeds uint64, floats
 float64, bools one byte of 0 or 1) and, where its rows carry ids (chunk tokens, block ids,
-banned ids), one bin of int32 ids; a frame above ``MAX_FRAME_BYTES`` is refused on both ends;
+banned ids, logit-bias ids and their float64 biases as word pairs), one bin of int32 words; a frame above ``MAX_FRAME_BYTES`` is refused on both ends;
 the decoder turns any malformed bytes into ``ProtocolError`` and nothing else, and costs at
 most about 3x the frame's size in memory (rows are built when read). Semantic checks (known
 slots, block ranges, sampling values) are not here: they need the ranks' state
@@ -27,7 +27,12 @@ from typing import Sequence
 
 import numpy as np
 
+from epserve.models.sampling_rules import MAX_LOGPROBS
 from epserve.models.traits import RowSampling
+from epserve.worker.sampling_wire import (
+    SAMPLING_FIELDS, SAMPLING_KINDS, check_bias_counts, row_sampling, sampling_fields,
+    sampling_words,
+)
 
 # ProtocolError and Ints belong to the wire; ranks and the leader import them from here.
 from epserve.worker.wire import (
@@ -35,7 +40,8 @@ from epserve.worker.wire import (
     pack_frame, read_fields,
 )
 
-PROTOCOL_VERSION = 4  # 2: row tables of fixed-width records; 3: token-mask rows; 4: verify
+# 2: row tables of fixed-width records; 3: token-mask rows; 4: verify; 5: logit_bias
+PROTOCOL_VERSION = 5
 MAX_DRAFT_TOKENS = 16  # drafted tokens one verify row may carry
 MAX_FRAME_BYTES = 64 * 2**20
 FEED_DEVICE = -1  # a decode row's token is the one its rank sampled for the slot last step
@@ -52,7 +58,8 @@ class WireLimits:
     """Sizes a correct leader never exceeds, known to every rank: ``world_size * max_slots``
     rows of any one kind (and decode plus prefill rows together), ``max_blocks_per_seq`` block
     ids per update, when given ``max_step_tokens`` prefill tokens per command and
-    ``mask_words`` words per token mask (``ceil(vocab / 32)``). A frame beyond them is a
+    ``mask_words`` words per token mask (``ceil(vocab / 32)``), and ``max_logprobs``
+    alternatives per entry of a rank's result (the engine's bound). A frame beyond them is a
     ``ProtocolError`` before any row is built."""
 
     world_size: int
@@ -60,6 +67,7 @@ class WireLimits:
     max_blocks_per_seq: int
     max_step_tokens: int | None = None
     mask_words: int | None = None
+    max_logprobs: int = MAX_LOGPROBS
 
     @property
     def max_rows(self) -> int:
@@ -262,34 +270,19 @@ class StepCommand:
 
 # --------------------------------------------------------------------------- row tables
 
-_SAMPLING = [("temperature", F64), ("top_p", F64), ("top_k", I64), ("min_p", F64),
-             ("seed", U64), ("logprobs", I64)]
-_SAMPLING_KINDS = "ffifii"
-
-
-def _samp(s: RowSampling) -> tuple:
-    """A row's ``RowSampling`` as wire fields (``logprobs`` None travels as -1; its
-    ``banned_token_ids`` beside, as ids)."""
-    return (s.temperature, s.top_p, s.top_k, s.min_p, s.seed,
-            -1 if s.logprobs is None else s.logprobs)
-
-
-def _sampling(v: tuple, banned: Ints) -> RowSampling:
-    """``banned`` stays ``Ints`` (equal to the tuple the leader sent)."""
-    return RowSampling(v[0], v[1], v[2], v[3], v[4], banned, None if v[5] == -1 else v[5])
-
-
 RELEASES = TableSpec("releases", np.dtype([("rank", I64), ("slot", I64)]),
                      lambda r: (r.rank, r.slot), lambda v, _: Release(*v), "ii")
 NEW_SEQS = ids_spec(
     "new_seqs", [("rank", I64), ("slot", I64), ("seq_len", I64), ("prompt_len", I64),
-                 ("prompt_logprobs", I64)] + _SAMPLING, "iiiii" + _SAMPLING_KINDS,
-    lambda n: (n.rank, n.slot, n.seq_len, n.prompt_len, n.prompt_logprobs, *_samp(n.sampling)),
-    lambda n: n.sampling.banned_token_ids, lambda v, b: NewSeq(*v[:5], _sampling(v[5:], b)))
+                 ("prompt_logprobs", I64)] + SAMPLING_FIELDS, "iiiii" + SAMPLING_KINDS,
+    lambda n: (n.rank, n.slot, n.seq_len, n.prompt_len, n.prompt_logprobs,
+               *sampling_fields(n.sampling)),
+    lambda n: sampling_words(n.sampling), lambda v, b: NewSeq(*v[:5], row_sampling(v[5:], b)))
 SAMPLING_UPDATES = ids_spec(
-    "sampling_updates", [("rank", I64), ("slot", I64)] + _SAMPLING, "ii" + _SAMPLING_KINDS,
-    lambda u: (u.rank, u.slot, *_samp(u.sampling)), lambda u: u.sampling.banned_token_ids,
-    lambda v, b: SamplingUpdate(v[0], v[1], _sampling(v[2:], b)))
+    "sampling_updates", [("rank", I64), ("slot", I64)] + SAMPLING_FIELDS, "ii" + SAMPLING_KINDS,
+    lambda u: (u.rank, u.slot, *sampling_fields(u.sampling)),
+    lambda u: sampling_words(u.sampling),
+    lambda v, b: SamplingUpdate(v[0], v[1], row_sampling(v[2:], b)))
 BLOCK_UPDATES = ids_spec(
     "block_updates", [("rank", I64), ("slot", I64), ("first", I64)], "iii",
     lambda b: (b.rank, b.slot, b.first), lambda b: b.blocks,
@@ -365,8 +358,9 @@ def decode(frame: bytes, limits: WireLimits | None = None) -> StepCommand:
         cmd = StepCommand(
             step_id=f[1], kind=f[2],
             releases=decode_table(RELEASES, f[3], None, rows),
-            new_seqs=decode_table(NEW_SEQS, f[4], f[5], rows),
-            sampling_updates=decode_table(SAMPLING_UPDATES, f[6], f[7], rows),
+            new_seqs=check_bias_counts(decode_table(NEW_SEQS, f[4], f[5], rows)),
+            sampling_updates=check_bias_counts(
+                decode_table(SAMPLING_UPDATES, f[6], f[7], rows)),
             block_updates=decode_table(BLOCK_UPDATES, f[8], f[9], rows, blocks),
             decode=DecodeRows.from_bytes(f[10], rows),
             prefill=decode_table(PREFILL, f[11], f[12], rows),
