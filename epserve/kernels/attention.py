@@ -30,6 +30,17 @@ class AttentionMetadata:
       on a pure decode batch (one row per sequence) it is the source of truth: attention reads
       it on the device and trusts it, so a CUDA graph can replay with new lengths while the
       host tuple holds placeholders. Padded decode rows carry length 1 and slot -1.
+    - ``state_slots``: optional [S] int64 on device, the state slot of each sequence (same
+      order as the ``query_start_loc`` segments), read only by linear-attention (gated
+      DeltaNet) layers, whose per-layer cache is ``(conv_state [N, C, K-1], recurrent_state
+      [N, Hv, Dk, Dv] float32)`` over the rank's N state slots. Such a layer reads sequence
+      s's states from slot ``state_slots[s]``, or zeros when s starts fresh: its KV length
+      before the step is 0, ``seq_lens[s] - (qsl[s+1] - qsl[s]) == 0`` (host values; on a
+      pure decode batch with ``seq_lens_t`` set, ``seq_lens_t[s] == 1`` on the device). It
+      runs its tokens and writes the new states back into the same slots, in place. A
+      padded decode row of a CUDA graph is a one-row sequence of length 1 (so fresh) whose
+      slot is the rank's spare scratch slot: it touches no other slot. The real sequences of
+      a step never share a slot (padded ones may all share the spare).
     """
 
     slot_mapping: torch.Tensor
@@ -38,9 +49,13 @@ class AttentionMetadata:
     block_tables: torch.Tensor
     block_size: int
     seq_lens_t: torch.Tensor | None = None
+    state_slots: torch.Tensor | None = None
 
     def __post_init__(self) -> None:
         s = len(self.seq_lens)
+        if self.state_slots is not None and tuple(self.state_slots.shape) != (s,):
+            raise ValueError(f"AttentionMetadata: state_slots shape {tuple(self.state_slots.shape)}"
+                             f" does not match {s} sequences")
         if len(self.query_start_loc) != s + 1:
             raise ValueError(f"AttentionMetadata: query_start_loc has {len(self.query_start_loc)} "
                              f"entries, expected len(seq_lens) + 1 = {s + 1}")

@@ -4,7 +4,12 @@ Invariants: the mean square is taken in float32; the normalised value is cast ba
 input dtype before the weight multiply (as Hugging Face Llama/Qwen/Mixtral do), so fp32 runs
 match transformers bit for bit in the ordinary case.
 
-The public entries run ``epserve.kernels.triton.norm`` (one launch, CUDA-graph capturable) where
+Two variants of the gated-DeltaNet hybrids (Qwen3-Next, Qwen3.5) have references and entries
+here, no kernel yet: the zero-centred norm (weights stored around 0, applied as ``1 + w`` in
+float32 with one cast at the end, as transformers does) and the gated output norm of a
+DeltaNet layer (``rms_norm_ref`` times ``silu(gate)``, in float32).
+
+The public entries of the plain norms run ``epserve.kernels.triton.norm`` (one launch, CUDA-graph capturable) where
 ``dispatch.use_triton`` says so and the shape/dtype is one it covers (fp32/fp16/bf16,
 ``H <= 8192``); the reference otherwise.
 """
@@ -12,6 +17,7 @@ The public entries run ``epserve.kernels.triton.norm`` (one launch, CUDA-graph c
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 
 from epserve.kernels.dispatch import DTYPES, MAX_NORM_H, use_triton
 
@@ -66,3 +72,37 @@ def _runs_triton(x: torch.Tensor, weight: torch.Tensor) -> bool:
             or weight.dtype not in DTYPES or weight.device != x.device):
         return False
     return use_triton(x)
+
+
+def zero_centred_rms_norm_ref(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """x: [..., H]; weight: [H] stored around 0. Returns [..., H] in x.dtype:
+    ``(x / rms(x)) * (1 + weight)`` computed in float32 and cast once."""
+    xf = x.float()
+    normed = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
+    return (normed * (1.0 + weight.float())).to(x.dtype)
+
+
+def zero_centred_rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """Public entry for ``zero_centred_rms_norm_ref`` (same contract)."""
+    if x.shape[-1] != weight.shape[0]:
+        raise ValueError(f"zero_centred_rms_norm: x {tuple(x.shape)} last dim != weight "
+                         f"{tuple(weight.shape)}")
+    # Dispatch point: a Triton kernel goes here.
+    return zero_centred_rms_norm_ref(x, weight, eps)
+
+
+def gated_rms_norm_ref(x: torch.Tensor, gate: torch.Tensor, weight: torch.Tensor,
+                       eps: float) -> torch.Tensor:
+    """x, gate: [..., D]; weight: [D]. Returns [..., D] in x.dtype:
+    ``rms_norm_ref(x, weight, eps) * silu(gate)``, the product in float32."""
+    return (rms_norm_ref(x, weight, eps) * F.silu(gate.float())).to(x.dtype)
+
+
+def gated_rms_norm(x: torch.Tensor, gate: torch.Tensor, weight: torch.Tensor,
+                   eps: float) -> torch.Tensor:
+    """Public entry for ``gated_rms_norm_ref`` (same contract)."""
+    if x.shape != gate.shape or x.shape[-1] != weight.shape[0]:
+        raise ValueError(f"gated_rms_norm: x {tuple(x.shape)}, gate {tuple(gate.shape)} and "
+                         f"weight {tuple(weight.shape)} disagree")
+    # Dispatch point: a Triton kernel goes here.
+    return gated_rms_norm_ref(x, gate, weight, eps)

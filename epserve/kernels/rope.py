@@ -1,13 +1,15 @@
 """Rotary position embedding, rotate-half (GPT-NeoX) layout as in HF Llama/Qwen/Mixtral.
 
-Invariants: the cos/sin cache is float32, ``[P, D/2]``, with ``inv_freq`` and angles computed
-exactly as transformers' default rope does; dimension ``i < D/2`` is paired with ``i + D/2``.
-The rotation runs in float32 and returns the inputs' dtype.
+Invariants: the cos/sin cache is float32, ``[P, R/2]`` for ``R`` rotary dims, with
+``inv_freq`` and angles computed exactly as transformers' default rope does; dimension
+``i < R/2`` is paired with ``i + R/2``. Usually ``R`` is the head dim ``D``; with partial rotary
+(Qwen3-Next, Qwen3.5: ``R = D * partial_rotary_factor``) only the first ``R`` dims of each head
+rotate and the rest pass through. The rotation runs in float32 and returns the inputs' dtype.
 
 ``apply_qk_norm_rope`` (per-head q/k RMSNorm, then rope; optionally this step's paged KV write
 too) runs ``epserve.kernels.triton.rope`` (one launch, in place, CUDA-graph capturable) where
 ``dispatch.use_triton`` says so and the layout is one it covers; the reference (then
-``write_kv``) otherwise.
+``write_kv``) otherwise; partial rotary always runs the reference.
 """
 
 from __future__ import annotations
@@ -32,21 +34,25 @@ def build_rope_cache(head_dim: int, max_positions: int, theta: float,
 
 
 def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """x: [T, Hx, D]; cos, sin: [T, 1, D/2] float32. Returns [T, Hx, D] x.dtype."""
-    half = x.shape[-1] // 2
+    """x: [T, Hx, D]; cos, sin: [T, 1, R/2] float32 (R <= D: the first R dims rotate).
+    Returns [T, Hx, D] x.dtype."""
+    half = cos.shape[-1]
     xf = x.float()
-    x1, x2 = xf[..., :half], xf[..., half:]
-    return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1).to(x.dtype)
+    x1, x2 = xf[..., :half], xf[..., half:2 * half]
+    parts = [x1 * cos - x2 * sin, x2 * cos + x1 * sin]
+    if 2 * half < x.shape[-1]:  # partial rotary: the rest passes through
+        parts.append(xf[..., 2 * half:])
+    return torch.cat(parts, dim=-1).to(x.dtype)
 
 
 def rope_ref(q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor, cos_cache: torch.Tensor,
              sin_cache: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Rotate q and k by their token's position.
 
-    q: [T, Hq, D]; k: [T, Hkv, D]; positions: [T] int64; cos_cache, sin_cache: [P, D/2]
-    float32. Returns (q, k) rotated, same shapes and dtypes.
+    q: [T, Hq, D]; k: [T, Hkv, D]; positions: [T] int64; cos_cache, sin_cache: [P, R/2]
+    float32 (R <= D rotary dims). Returns (q, k) rotated, same shapes and dtypes.
     """
-    cos = cos_cache[positions][:, None, :]  # [T, 1, D/2]
+    cos = cos_cache[positions][:, None, :]  # [T, 1, R/2]
     sin = sin_cache[positions][:, None, :]
     return _rotate(q, cos, sin), _rotate(k, cos, sin)
 
@@ -54,7 +60,7 @@ def rope_ref(q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor, cos_cach
 def apply_rope(q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor, cos_cache: torch.Tensor,
                sin_cache: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Public entry for ``rope_ref`` (same contract)."""
-    if q.shape[-1] != k.shape[-1] or cos_cache.shape[-1] * 2 != q.shape[-1]:
+    if q.shape[-1] != k.shape[-1] or cos_cache.shape[-1] * 2 > q.shape[-1]:
         raise ValueError(f"apply_rope: q {tuple(q.shape)}, k {tuple(k.shape)} and cache "
                          f"{tuple(cos_cache.shape)} disagree on head_dim")
     # Dispatch point: a Triton kernel for CUDA tensors goes here.
@@ -87,15 +93,16 @@ def apply_qk_norm_rope(q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor
     slot_mapping)`` on the normed + rotated k (one launch on the Triton path).
 
     q: [T, Hq, D]; k: [T, Hkv, D] (may be strided views, e.g. of one fused qkv output);
-    positions: [T]; cos_cache, sin_cache: [P, D/2]; q_weight, k_weight: [D] or None. Writes the
-    result into q and k and returns them (the same objects). v: [T, Hkv, D]; k_cache, v_cache:
+    positions: [T]; cos_cache, sin_cache: [P, R/2] (R <= D: partial rotary when less, on the
+    reference); q_weight, k_weight: [D] or None. Writes the result into q and k and returns
+    them (the same objects). v: [T, Hkv, D]; k_cache, v_cache:
     [NB, BS, Hkv, D]; slot_mapping: [T] (-1: a padded row, writes nothing); all four or none.
     """
     if q.dim() != 3 or k.dim() != 3 or q.shape[0] != k.shape[0] or q.shape[2] != k.shape[2]:
         raise ValueError(f"apply_qk_norm_rope: q {tuple(q.shape)} and k {tuple(k.shape)} must be "
                          f"[T, Hq, D] and [T, Hkv, D]")
     d = q.shape[2]
-    if cos_cache.shape[-1] * 2 != d or sin_cache.shape != cos_cache.shape:
+    if cos_cache.shape[-1] * 2 > d or sin_cache.shape != cos_cache.shape:
         raise ValueError(f"apply_qk_norm_rope: q {tuple(q.shape)} and caches "
                          f"{tuple(cos_cache.shape)} / {tuple(sin_cache.shape)} disagree on head_dim")
     for name, w in (("q_weight", q_weight), ("k_weight", k_weight)):
@@ -126,11 +133,11 @@ def apply_qk_norm_rope(q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor
 
 
 def _runs_triton(q, k, positions, cos_cache, sin_cache, q_weight, k_weight, kv=()) -> bool:
-    """``use_triton`` and a layout the kernel covers; ``kv``: (v, k_cache, v_cache,
-    slot_mapping) when the KV write is fused in, else empty."""
-    if (q.dtype not in DTYPES or k.dtype != q.dtype or q.stride(2) != 1
-            or k.stride(2) != 1 or cos_cache.stride(-1) != 1 or sin_cache.stride(-1) != 1
-            or positions.dtype not in (torch.int64, torch.int32)):
+    """``use_triton`` and a layout the kernel covers (full rotary only); ``kv``: (v, k_cache,
+    v_cache, slot_mapping) when the KV write is fused in, else empty."""
+    if (cos_cache.shape[-1] * 2 != q.shape[-1] or q.dtype not in DTYPES or k.dtype != q.dtype
+            or q.stride(2) != 1 or k.stride(2) != 1 or cos_cache.stride(-1) != 1
+            or sin_cache.stride(-1) != 1 or positions.dtype not in (torch.int64, torch.int32)):
         return False
     if kv:
         v, k_cache, v_cache, slot_mapping = kv

@@ -24,7 +24,7 @@ def rope_and_attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positions
     """q: [T, Hq, D], k, v: [T, Hkv, D] (q and k are normed and rotated in place); caches
     [NB, BS, Hkv, D]; ``meta.slot_mapping`` says where this step's K/V go. Returns the
     attention output [T, Hq, D]."""
-    if _fused(q, k_cache, v_cache, meta, sliding_window):
+    if _fused(q, cos_cache, k_cache, v_cache, meta, sliding_window):
         from epserve.kernels.triton.rope_decode import rope_paged_decode_triton
 
         return rope_paged_decode_triton(q, k, v, positions, cos_cache, sin_cache, q_weight,
@@ -36,10 +36,12 @@ def rope_and_attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positions
     return paged_attention(q, k_cache, v_cache, meta, scale, sliding_window)
 
 
-def _fused(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-           meta: AttentionMetadata, sliding_window: int | None) -> bool:
-    """A pure decode step with device lengths, on the Triton decode path, in its layout."""
-    if meta.seq_lens_t is None or not use_triton_decode(q, meta):
+def _fused(q: torch.Tensor, cos_cache: torch.Tensor, k_cache: torch.Tensor,
+           v_cache: torch.Tensor, meta: AttentionMetadata, sliding_window: int | None) -> bool:
+    """A pure decode step with device lengths, on the Triton decode path, in its layout, full
+    rotary (partial rotary runs the two public ops)."""
+    if (meta.seq_lens_t is None or cos_cache.shape[-1] * 2 != q.shape[2]
+            or not use_triton_decode(q, meta)):
         return False
     if sliding_window is not None and not (type(sliding_window) is int and sliding_window >= 1):
         return False

@@ -54,6 +54,28 @@ def test_rope_matches_complex_rotation():
     torch.testing.assert_close(q_rot[0], q[0])  # position 0 is the identity
 
 
+def test_partial_rotary_rotates_the_first_dims_only():
+    cos, sin = build_rope_cache(4, 64, 10000.0)  # R = 4 of D = 16, as Qwen3-Next's 0.25
+    g = torch.Generator().manual_seed(3)
+    q, k = torch.randn(5, 4, 16, generator=g), torch.randn(5, 2, 16, generator=g)
+    pos = torch.tensor([0, 3, 17, 63, 1])
+    q_rot, k_rot = apply_rope(q, k, pos, cos, sin)
+    want_q, want_k = apply_rope(q[..., :4], k[..., :4], pos, cos, sin)  # a 4-dim head
+    assert torch.equal(q_rot[..., :4], want_q) and torch.equal(k_rot[..., :4], want_k)
+    assert torch.equal(q_rot[..., 4:], q[..., 4:]) and torch.equal(k_rot[..., 4:], k[..., 4:])
+    with pytest.raises(ValueError, match="head_dim"):
+        apply_rope(q[..., :2], k[..., :2], pos, cos, sin)  # more rotary dims than the head
+
+
+@needs_triton
+def test_partial_rotary_runs_the_reference_where_triton_would_run(interpret):
+    q, k, pos, _, _, qw, kw, _ = _qk_case(3, 4, 2, 16, torch.float32, seed=15)
+    cos, sin = build_rope_cache(8, 64, 10000.0)
+    ref_q, ref_k = apply_qk_norm_rope_ref(q, k, pos, cos, sin, qw, kw)
+    apply_qk_norm_rope(q, k, pos, cos, sin, qw, kw)
+    assert torch.equal(q, ref_q) and torch.equal(k, ref_k)
+
+
 # --------------------------------------------------------------------------- q/k norm + rope
 
 
