@@ -1,8 +1,10 @@
-"""The decoder-only shell both MoE families share: embed, pre-norm blocks, final norm, LM head.
+"""The decoder-only shell every MoE family shares: embed, pre-norm blocks, final norm, LM head.
 
 Shapes: T tokens in the flat batch, H hidden, V vocab. Invariants: single-device code; a
-block is x + attn(norm(x)) then x + ffn(norm(x)) with the residual carried through the fused
-add+norm; an architecture file says only what differs (its feed-forward and weight names).
+block is x + mixer(norm(x)) then x + ffn(norm(x)) with the residual carried through the fused
+add+norm; an architecture file says only what differs (its blocks, norms and weight names).
+Each block describes the cache it keeps between steps (``cache_spec``), so
+``layer_cache_specs`` tells the runner what to allocate for any architecture.
 """
 
 from __future__ import annotations
@@ -14,11 +16,12 @@ from torch import nn
 
 from epserve.kernels.attention import AttentionMetadata
 from epserve.models.config import ModelConfig
+from epserve.models.layer_cache import KvCacheSpec, LayerCacheSpec
 from epserve.models.layers import (Attention, RMSNorm, RotaryEmbedding, SparseMoeBlock, WeightMap,
                                    map_attention)
 from epserve.models.parallel import ParallelInfo
 
-KVCache = tuple[torch.Tensor, torch.Tensor]
+KVCache = tuple[torch.Tensor, torch.Tensor]  # (k_cache, v_cache), or a linear layer's states
 
 
 class DecoderLayer(nn.Module):
@@ -45,28 +48,48 @@ class DecoderLayer(nn.Module):
         hidden, residual = self.post_attention_layernorm(hidden, residual)
         return self.ffn(hidden), residual  # [T, H], [T, H]
 
+    def cache_spec(self) -> KvCacheSpec:
+        return KvCacheSpec(self.self_attn.num_kv_heads, self.self_attn.head_dim)
+
 
 class DecoderOnlyLM(nn.Module):
     """Embedding, ``num_layers`` blocks (``make_ffn(i)`` gives block i's feed-forward), final
-    norm, LM head (maybe tied). Subclasses name their feed-forward weights in ``map_ffn``."""
+    norm, LM head (maybe tied). Subclasses name their feed-forward weights in ``map_ffn``; an
+    architecture with other blocks overrides ``make_layer`` / ``map_layer`` (and ``norm_class``,
+    ``checkpoint_prefix``: where the language model's tensors sit in the checkpoint)."""
+
+    norm_class: type[nn.Module] = RMSNorm
+    checkpoint_prefix = "model."
 
     def __init__(self, cfg: ModelConfig, parallel: ParallelInfo,
                  make_ffn: Callable[[int], nn.Module]):
         super().__init__()
         self.cfg, self.parallel = cfg, parallel
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
-        self.layers = nn.ModuleList(DecoderLayer(cfg, make_ffn(i)) for i in range(cfg.num_layers))
-        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.layers = nn.ModuleList(self.make_layer(i, make_ffn(i)) for i in range(cfg.num_layers))
+        self.norm = self.norm_class(cfg.hidden_size, cfg.rms_norm_eps)
         self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
         if cfg.tie_word_embeddings:
             self.lm_head.weight = self.embed_tokens.weight
-        self.rope = RotaryEmbedding(cfg.head_dim, cfg.max_position_embeddings, cfg.rope_theta)
+        self.rope = RotaryEmbedding(cfg.rotary_dim, cfg.max_position_embeddings, cfg.rope_theta)
+
+    def make_layer(self, layer_idx: int, ffn: nn.Module) -> nn.Module:
+        """Block ``layer_idx`` around its feed-forward ``ffn``."""
+        return DecoderLayer(self.cfg, ffn)
+
+    def layer_cache_specs(self) -> tuple[LayerCacheSpec, ...]:
+        """What each layer keeps between steps, in layer order: the runner allocates one cache
+        per entry and passes them to ``forward`` in the same order."""
+        return tuple(layer.cache_spec() for layer in self.layers)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches: list[KVCache],
                 meta: AttentionMetadata) -> torch.Tensor:
-        """input_ids, positions: [T] int64; kv_caches: one ([NB, BS, Hkv, D], same) per layer.
+        """input_ids, positions: [T] int64; kv_caches: one per layer, as ``layer_cache_specs``
+        says: ``(k_cache, v_cache)`` [NB, BS, Hkv, D] for attention, ``(conv_state,
+        recurrent_state)`` for a linear-attention layer (``meta.state_slots`` picks the slots).
 
-        Writes this step's K/V into the caches; returns hidden: [T, H] after the final norm.
+        Writes this step's K/V (and states) into the caches; returns hidden: [T, H] after the
+        final norm.
         """
         if len(kv_caches) != len(self.layers):
             raise ValueError(f"got {len(kv_caches)} kv caches for {len(self.layers)} layers")
@@ -89,19 +112,22 @@ class DecoderOnlyLM(nn.Module):
         self.weight_map().load(named_tensors)
 
     def weight_map(self) -> WeightMap:
-        cfg = self.cfg
+        cfg, p = self.cfg, self.checkpoint_prefix
         wm = WeightMap(cfg.num_layers, cfg.num_experts)
-        wm.add("model.embed_tokens.weight", self.embed_tokens.weight)
-        wm.add("model.norm.weight", self.norm.weight)
+        wm.add(f"{p}embed_tokens.weight", self.embed_tokens.weight)
+        wm.add(f"{p}norm.weight", self.norm.weight)
         if not cfg.tie_word_embeddings:
             wm.add("lm_head.weight", self.lm_head.weight)
         for i, layer in enumerate(self.layers):
-            p = f"model.layers.{i}"
-            wm.add(f"{p}.input_layernorm.weight", layer.input_layernorm.weight)
-            wm.add(f"{p}.post_attention_layernorm.weight", layer.post_attention_layernorm.weight)
-            map_attention(wm, f"{p}.self_attn", layer.self_attn)
-            self.map_ffn(wm, p, layer.ffn)
+            self.map_layer(wm, f"{p}layers.{i}", layer)
         return wm
+
+    def map_layer(self, wm: WeightMap, prefix: str, layer: nn.Module) -> None:
+        """Block ``layer``'s checkpoint names under ``prefix`` (``model.layers.{i}``)."""
+        wm.add(f"{prefix}.input_layernorm.weight", layer.input_layernorm.weight)
+        wm.add(f"{prefix}.post_attention_layernorm.weight", layer.post_attention_layernorm.weight)
+        map_attention(wm, f"{prefix}.self_attn", layer.self_attn)
+        self.map_ffn(wm, prefix, layer.ffn)
 
     def map_ffn(self, wm: WeightMap, prefix: str, ffn: nn.Module) -> None:
         raise NotImplementedError

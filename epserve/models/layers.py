@@ -20,7 +20,7 @@ from torch import nn
 from epserve.kernels.attention import AttentionMetadata
 from epserve.kernels.linear import linear
 from epserve.kernels.moe import fused_moe
-from epserve.kernels.norm import fused_add_rms_norm, rms_norm
+from epserve.kernels.norm import fused_add_rms_norm, rms_norm, zero_centred_rms_norm
 from epserve.kernels.rope import apply_rope, build_rope_cache
 from epserve.kernels.rope_attention import rope_and_attend
 from epserve.kernels.router import add_norm_router, topk_softmax
@@ -47,12 +47,29 @@ class RMSNorm(nn.Module):
         return fused_add_rms_norm(x, residual, self.weight, self.eps)
 
 
-class RotaryEmbedding(nn.Module):
-    """The float32 cos/sin cache ``[max_positions, D/2]``, shared by every attention layer."""
+class ZeroCentredRMSNorm(nn.Module):
+    """RMSNorm whose weight is stored around 0 and applied as ``1 + weight`` (Qwen3-Next,
+    Qwen3.5); the same calls as ``RMSNorm``, the residual added first when given."""
 
-    def __init__(self, head_dim: int, max_positions: int, theta: float):
+    def __init__(self, size: int, eps: float):
         super().__init__()
-        cos, sin = build_rope_cache(head_dim, max_positions, theta)
+        self.weight = nn.Parameter(torch.zeros(size))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None):
+        if residual is None:
+            return zero_centred_rms_norm(x, self.weight, self.eps)
+        residual = x + residual
+        return zero_centred_rms_norm(residual, self.weight, self.eps), residual
+
+
+class RotaryEmbedding(nn.Module):
+    """The float32 cos/sin cache ``[max_positions, R/2]``, shared by every attention layer; R
+    is the rotated dims of a head (its head dim, or fewer with partial rotary)."""
+
+    def __init__(self, rotary_dim: int, max_positions: int, theta: float):
+        super().__init__()
+        cos, sin = build_rope_cache(rotary_dim, max_positions, theta)
         self.register_buffer("cos_cache", cos, persistent=False)
         self.register_buffer("sin_cache", sin, persistent=False)
 
@@ -205,6 +222,15 @@ class DenseMLP(nn.Module):
         return self.down_proj(F.silu(gate_up[:, :i]) * gate_up[:, i:])
 
 
+def moe_or_dense(cfg: ModelConfig, parallel: ParallelInfo, layer_idx: int,
+                 moe_block: type[nn.Module] = SparseMoeBlock) -> nn.Module:
+    """Layer ``layer_idx``'s feed-forward: ``moe_block(cfg, parallel)`` where
+    ``cfg.is_moe_layer``, else a dense SwiGLU MLP of ``cfg.intermediate_size``."""
+    if cfg.is_moe_layer(layer_idx):
+        return moe_block(cfg, parallel)
+    return DenseMLP(cfg.hidden_size, cfg.intermediate_size)
+
+
 # --------------------------------------------------------------------------- weight mapping
 
 
@@ -282,6 +308,18 @@ class WeightMap:
 
 def _natural_key(name: str) -> list:
     return [int(p) if p.isdigit() else p for p in re.split(r"(\d+)", name)]
+
+
+def part_major_rows(num_groups: int, sizes: list[int]) -> torch.Tensor:
+    """Row order that regroups a checkpoint tensor stored group-major (each of ``num_groups``
+    groups holds ``sizes[0]`` rows of part 0, then ``sizes[1]`` rows of part 1, ...) as
+    part-major (every group's part 0, then every group's part 1, ...): pass it as a
+    ``WeightMap.add`` ``src_index``. Per-head interleaved projections load this way."""
+    base = torch.arange(num_groups)[:, None] * sum(sizes)  # [G, 1]: each group's first row
+    starts = [0]
+    for n in sizes[:-1]:
+        starts.append(starts[-1] + n)
+    return torch.cat([(base + a + torch.arange(n)).flatten() for a, n in zip(starts, sizes)])
 
 
 def map_attention(wm: WeightMap, prefix: str, attn: Attention) -> None:

@@ -34,7 +34,8 @@ def load_model(model_path: str | Path, *, dtype: torch.dtype, device: torch.devi
     """Build the model of ``model_path/config.json`` for this rank and load (or invent) its weights.
 
     ``config_overrides`` replaces ``ModelConfig`` fields by name after parsing (e.g.
-    ``{"num_layers": 2}`` for a dummy benchmark). Returns ``(model, config)``.
+    ``{"num_layers": 2}`` for a dummy benchmark; a hybrid keeps the first ``num_layers`` of its
+    ``layer_types`` unless those are overridden too). Returns ``(model, config)``.
     """
     if load_format not in LOAD_FORMATS:
         raise ValueError(f"load_format={load_format!r} is not one of {LOAD_FORMATS}")
@@ -62,6 +63,8 @@ def _apply_overrides(cfg: ModelConfig, overrides: dict[str, Any] | None) -> Mode
     if unknown:
         raise ValueError(f"config_overrides: unknown field(s) {unknown}; "
                          f"ModelConfig fields: {sorted(fields)}")
+    if "num_layers" in overrides and "layer_types" not in overrides and cfg.layer_types:
+        overrides = {**overrides, "layer_types": cfg.layer_types[:overrides["num_layers"]]}
     return dataclasses.replace(cfg, **overrides)
 
 

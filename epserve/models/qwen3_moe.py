@@ -15,8 +15,8 @@ from torch import nn
 
 from epserve.models.causal_lm import DecoderOnlyLM
 from epserve.models.config import ModelConfig
-from epserve.models.layers import (DenseMLP, SparseMoeBlock, WeightMap, map_dense_mlp,
-                                   map_experts)
+from epserve.models.layers import (SparseMoeBlock, WeightMap, map_dense_mlp, map_experts,
+                                   moe_or_dense)
 from epserve.models.parallel import ParallelInfo
 
 
@@ -26,13 +26,7 @@ class Qwen3MoeForCausalLM(DecoderOnlyLM):
     config keeps dense, a SwiGLU MLP."""
 
     def __init__(self, cfg: ModelConfig, parallel: ParallelInfo = ParallelInfo()):
-        super().__init__(cfg, parallel, lambda i: self._ffn(cfg, parallel, i))
-
-    @staticmethod
-    def _ffn(cfg: ModelConfig, parallel: ParallelInfo, layer_idx: int) -> nn.Module:
-        if cfg.is_moe_layer(layer_idx):
-            return SparseMoeBlock(cfg, parallel)
-        return DenseMLP(cfg.hidden_size, cfg.intermediate_size)
+        super().__init__(cfg, parallel, lambda i: moe_or_dense(cfg, parallel, i))
 
     def map_ffn(self, wm: WeightMap, prefix: str, ffn: nn.Module) -> None:
         if isinstance(ffn, SparseMoeBlock):

@@ -15,6 +15,10 @@ from epserve.models.config import CheckpointError
 _MODELS: dict[str, tuple[str, str]] = {
     "Qwen3MoeForCausalLM": ("epserve.models.qwen3_moe", "Qwen3MoeForCausalLM"),
     "MixtralForCausalLM": ("epserve.models.mixtral", "MixtralForCausalLM"),
+    "Qwen3NextForCausalLM": ("epserve.models.qwen3_next", "Qwen3NextForCausalLM"),
+    "Qwen3_5MoeForCausalLM": ("epserve.models.qwen3_next", "Qwen3_5MoeForCausalLM"),
+    "Qwen3_5MoeForConditionalGeneration": ("epserve.models.qwen3_next",
+                                           "Qwen3_5MoeForConditionalGeneration"),
 }
 
 

@@ -1,0 +1,165 @@
+"""The gated-DeltaNet layer (linear attention) of Qwen3-Next and Qwen3.5-MoE.
+
+Shapes: T rows in the flat batch, H hidden, Hk key heads of Dk, Hv value heads of Dv
+(Hv a multiple of Hk), C = 2 Hk Dk + Hv Dv conv channels, K conv width, N state slots.
+
+Per token, as transformers defines it: one projection gives q, k, v (the conv channels), z
+(the output gate, per value head), b and a (per value head); a short causal conv (width K,
+from the sequence's conv state) and SiLU mix [q, k, v]; ``beta = sigmoid(b)``, the log decay
+``g = -exp(A_log) * softplus(a + dt_bias)``; the gated delta rule (q, k L2-normalised in it)
+from the sequence's recurrent state; the gated norm ``rms_norm(o) * w * silu(z)`` per value
+head; ``out_proj``.
+
+Invariants: each sequence of the step reads its conv and recurrent states from its slot
+(``meta.state_slots``), or zeros when it starts fresh (no KV before the step), and its new
+states are written back into the same slots, in place; no other slot is touched. A pure
+decode step runs the rule token by token (``recurrent_ref``), any other step chunked
+(``chunked_ref``; a one-token segment is a chunk of one). Rows past ``query_start_loc[-1]``
+are padding: output zeros, no state read or written.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from epserve.kernels.attention import AttentionMetadata
+from epserve.kernels.causal_conv import causal_conv1d_ref
+from epserve.kernels.gated_delta import chunked_ref, recurrent_ref
+from epserve.kernels.linear import linear
+from epserve.kernels.norm import gated_rms_norm
+from epserve.models.config import ModelConfig
+from epserve.models.layer_cache import StateCacheSpec
+from epserve.models.layers import RMSNorm, WeightMap, part_major_rows
+
+StatePair = tuple[torch.Tensor, torch.Tensor]  # (conv_state [N, C, K-1], recurrent [N, Hv, Dk, Dv])
+
+
+class GatedRMSNorm(RMSNorm):
+    """The DeltaNet output norm: plain ``weight * x / rms(x)`` per value head, times
+    ``silu(gate)``."""
+
+    def forward(self, x: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:  # type: ignore[override]
+        return gated_rms_norm(x, gate, self.weight, self.eps)
+
+
+class GatedDeltaNet(nn.Module):
+    """One fused input projection ``in_proj`` (rows: q [Hk Dk], k [Hk Dk], v [Hv Dv],
+    z [Hv Dv], b [Hv], a [Hv]), the depthwise conv ``conv_weight`` [C, K], ``A_log`` and
+    ``dt_bias`` [Hv], the gated norm over Dv, ``out_proj``."""
+
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.num_k_heads, self.num_v_heads = cfg.linear_num_key_heads, cfg.linear_num_value_heads
+        self.head_k_dim, self.head_v_dim = cfg.linear_key_head_dim, cfg.linear_value_head_dim
+        self.key_dim = self.num_k_heads * self.head_k_dim
+        self.value_dim = self.num_v_heads * self.head_v_dim
+        self.conv_dim = 2 * self.key_dim + self.value_dim
+        self.conv_kernel = cfg.linear_conv_kernel_dim
+        h = cfg.hidden_size
+        self.in_proj = nn.Linear(h, self.conv_dim + self.value_dim + 2 * self.num_v_heads,
+                                 bias=False)
+        self.conv_weight = nn.Parameter(torch.empty(self.conv_dim, self.conv_kernel))
+        self.A_log = nn.Parameter(torch.empty(self.num_v_heads))
+        self.dt_bias = nn.Parameter(torch.ones(self.num_v_heads))
+        self.norm = GatedRMSNorm(self.head_v_dim, cfg.rms_norm_eps)
+        self.out_proj = nn.Linear(self.value_dim, h, bias=False)
+
+    def forward(self, positions: torch.Tensor, x: torch.Tensor, states: StatePair,
+                meta: AttentionMetadata, rope: nn.Module | None = None) -> torch.Tensor:
+        """x: [T, H]; states: (conv_state [N, C, K-1], recurrent_state [N, Hv, Dk, Dv] float32),
+        updated in place at ``meta.state_slots``. ``positions`` and ``rope`` are unused (the
+        token mixers share one call). Returns [T, H]."""
+        if meta.state_slots is None:
+            raise ValueError("GatedDeltaNet: AttentionMetadata.state_slots is required "
+                             "(each sequence's state slot)")
+        qsl = meta.query_start_loc
+        if qsl[0] != 0:
+            raise ValueError(f"GatedDeltaNet: query_start_loc must start at 0, got {qsl[0]}")
+        t, n = x.shape[0], qsl[-1]
+        hk, hv, dk, dv = self.num_k_heads, self.num_v_heads, self.head_k_dim, self.head_v_dim
+        proj = linear(x[:n], self.in_proj.weight)  # [n, C + Hv Dv + 2 Hv]
+        mixed, z, b, a = proj.split([self.conv_dim, self.value_dim, hv, hv], dim=-1)
+        conv_state, rec_state = states
+        slots = meta.state_slots
+        fresh = fresh_sequences(meta, x.device)  # [S]
+        conv0 = conv_state[slots].masked_fill(fresh[:, None, None], 0)  # [S, C, K-1], gathered
+        rec0 = rec_state[slots].masked_fill(fresh[:, None, None, None], 0)  # [S, Hv, Dk, Dv]
+        mixed, conv_new = causal_conv1d_ref(mixed, self.conv_weight, conv0, qsl)  # SiLU'd
+        kd = self.key_dim
+        q = mixed[:, :kd].reshape(n, hk, dk)
+        k = mixed[:, kd:2 * kd].reshape(n, hk, dk)
+        v = mixed[:, 2 * kd:].reshape(n, hv, dv)
+        beta = b.sigmoid()  # [n, Hv]
+        g = -self.A_log.float().exp() * F.softplus(a.float() + self.dt_bias)  # [n, Hv] <= 0
+        rule = recurrent_ref if qsl == tuple(range(len(qsl))) else chunked_ref
+        o, rec_new = rule(q, k, v, g, beta, rec0, qsl)  # [n, Hv, Dv], [S, Hv, Dk, Dv]
+        conv_state[slots] = conv_new.to(conv_state.dtype)
+        rec_state[slots] = rec_new.to(rec_state.dtype)
+        o = self.norm(o, z.reshape(n, hv, dv))
+        out = linear(o.reshape(n, self.value_dim), self.out_proj.weight)  # [n, H]
+        if n < t:  # padding rows
+            out = torch.cat([out, out.new_zeros(t - n, out.shape[1])])
+        return out
+
+    def cache_spec(self) -> StateCacheSpec:
+        return StateCacheSpec(conv_shape=(self.conv_dim, self.conv_kernel - 1),
+                              recurrent_shape=(self.num_v_heads, self.head_k_dim, self.head_v_dim),
+                              conv_dtype=self.conv_weight.dtype)
+
+
+_FRESH_CACHE: list = [None, None, None]  # [meta, device, mask]: one step's layers share it
+
+
+def fresh_sequences(meta: AttentionMetadata, device: torch.device) -> torch.Tensor:
+    """[S] bool on ``device``: sequence s starts from a zero state, i.e. it had no KV before
+    this step (``seq_lens[s]`` equals its row count). A pure decode batch with ``seq_lens_t``
+    reads the device lengths (length 1), so a CUDA graph replays with new lengths."""
+    qsl = meta.query_start_loc
+    if meta.seq_lens_t is not None and qsl == tuple(range(len(qsl))):
+        return meta.seq_lens_t == 1
+    c = _FRESH_CACHE
+    if c[0] is meta and c[1] == device:
+        return c[2]
+    mask = torch.tensor([meta.seq_lens[s] == qsl[s + 1] - qsl[s] for s in range(meta.num_seqs)],
+                        dtype=torch.bool, device=device)
+    c[:] = [meta, device, mask]
+    return mask
+
+
+# --------------------------------------------------------------------------- weight names
+
+
+def map_deltanet_grouped(wm: WeightMap, prefix: str, layer: GatedDeltaNet) -> None:
+    """Qwen3-Next's names: ``in_proj_qkvz`` grouped per key head (q [Dk], k [Dk], v [r Dv],
+    z [r Dv] with r = Hv / Hk) and ``in_proj_ba`` likewise (b [r], a [r])."""
+    hk, r = layer.num_k_heads, layer.num_v_heads // layer.num_k_heads
+    dk, dv = layer.head_k_dim, layer.head_v_dim
+    qkvz = layer.conv_dim + layer.value_dim
+    wm.add(f"{prefix}.in_proj_qkvz.weight", layer.in_proj.weight, (slice(0, qkvz),),
+           src_index=(part_major_rows(hk, [dk, dk, r * dv, r * dv]),))
+    wm.add(f"{prefix}.in_proj_ba.weight", layer.in_proj.weight,
+           (slice(qkvz, qkvz + 2 * layer.num_v_heads),), src_index=(part_major_rows(hk, [r, r]),))
+    _map_common(wm, prefix, layer)
+
+
+def map_deltanet_split(wm: WeightMap, prefix: str, layer: GatedDeltaNet) -> None:
+    """Qwen3.5's names: ``in_proj_qkv`` (all q, all k, all v), ``in_proj_z``, ``in_proj_b``,
+    ``in_proj_a``."""
+    rows = 0
+    for name, size in (("in_proj_qkv", layer.conv_dim), ("in_proj_z", layer.value_dim),
+                       ("in_proj_b", layer.num_v_heads), ("in_proj_a", layer.num_v_heads)):
+        wm.add(f"{prefix}.{name}.weight", layer.in_proj.weight, (slice(rows, rows + size),))
+        rows += size
+    _map_common(wm, prefix, layer)
+
+
+def _map_common(wm: WeightMap, prefix: str, layer: GatedDeltaNet) -> None:
+    c, kw = layer.conv_weight.shape
+    wm.add(f"{prefix}.conv1d.weight", layer.conv_weight, src_shape=(c, 1, kw),
+           src_index=(slice(None), 0))
+    wm.add(f"{prefix}.A_log", layer.A_log)
+    wm.add(f"{prefix}.dt_bias", layer.dt_bias)
+    wm.add(f"{prefix}.norm.weight", layer.norm.weight)
+    wm.add(f"{prefix}.out_proj.weight", layer.out_proj.weight)
