@@ -70,7 +70,10 @@ class GatedDeltaNet(nn.Module):
                 meta: AttentionMetadata, rope: nn.Module | None = None) -> torch.Tensor:
         """x: [T, H]; states: (conv_state [N, C, K-1], recurrent_state [N, Hv, Dk, Dv] float32),
         updated in place at ``meta.state_slots``. ``positions`` and ``rope`` are unused (the
-        token mixers share one call). Returns [T, H]."""
+        token mixers share one call). Returns [T, H]. A step of no sequences (an idle EP rank
+        still runs the layers for the MoE collectives) needs no ``state_slots``."""
+        if meta.num_seqs == 0:
+            return x.new_zeros(x.shape[0], self.out_proj.weight.shape[0])
         if meta.state_slots is None:
             raise ValueError("GatedDeltaNet: AttentionMetadata.state_slots is required "
                              "(each sequence's state slot)")

@@ -5,7 +5,8 @@ Every logit of every position must match within 1e-4: ragged prompts prefilled i
 (each from its own state slot, garbage in every slot before), the same prompts split over
 chunks that carry the conv and recurrent states, then decode steps of all sequences at once
 (greedy picks fed back and checked against transformers'). A padded decode row pointed at the
-spare slot changes nothing else; a broken DeltaNet tensor is named by the loader.
+spare slot changes nothing else; a step of no sequences runs; two EP ranks' expert shards give
+the whole model; a broken DeltaNet tensor is named by the loader.
 """
 
 from __future__ import annotations
@@ -18,10 +19,13 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
+from epserve.kernels.attention import AttentionMetadata
 from epserve.models.config import CheckpointError, ModelConfig
 from epserve.models.layer_cache import KvCacheSpec, StateCacheSpec
 from epserve.models.loader import load_model
-from paged_runner import PagedRunner, Schedule, hf_logits, prompts
+from epserve.models.parallel import ParallelInfo
+from fake_ep import LoopbackComm, RecordingComm
+from paged_runner import BLOCK_SIZE, PagedRunner, Schedule, hf_logits, prompts
 from tiny_ckpt import make_tiny_checkpoint
 
 ATOL = 1e-4
@@ -124,12 +128,36 @@ def test_a_padded_decode_row_at_the_spare_slot_touches_no_other_slot(models):
         torch.testing.assert_close(rec[:spare], rec0[:spare], atol=1e-5, rtol=0)
 
 
+def test_a_step_of_no_sequences_runs_without_state_slots(models):
+    _, ours, cfg = models  # an idle EP rank runs the layers for the MoE collectives
+    runner, empty = PagedRunner(ours, cfg), torch.empty(0, dtype=torch.int64)
+    meta = AttentionMetadata(empty, (0,), (), torch.zeros((0, 1), dtype=torch.int32), BLOCK_SIZE)
+    with torch.no_grad():
+        assert ours(empty, empty, runner.caches, meta).shape == (0, cfg.hidden_size)
+
+
 # --------------------------------------------------------------------------- checkpoints
 
 
 @pytest.fixture(scope="module")
 def next_ckpt(tmp_path_factory):
     return make_tiny_checkpoint("qwen3_next", tmp_path_factory.mktemp("next_ckpt"))
+
+
+def test_two_expert_shards_reproduce_the_whole_model(next_ckpt):
+    """Routed experts sharded over two EP ranks (the shared expert on each rank's own rows)."""
+    def logits(parallel):
+        model, cfg = load_model(next_ckpt, dtype=torch.float32, device="cpu", parallel=parallel)
+        return model, PagedRunner(model, cfg).step([("a", [5, 9, 300, 17, 4]), ("b", [8, 8])])
+
+    _, full = logits(ParallelInfo())
+    recorder = RecordingComm()
+    rank1, _ = logits(ParallelInfo(rank=1, world_size=2, ep_comm=recorder))
+    assert rank1.layers[0].ffn.routed.experts.w13.shape[0] == 4  # 4 of 8 experts
+    _, rank0 = logits(ParallelInfo(rank=0, world_size=2, ep_comm=LoopbackComm(recorder.local_fns)))
+    assert len(recorder.local_fns) == 4  # every layer's MoE went through the comm
+    for name in full:
+        torch.testing.assert_close(rank0[name], full[name], atol=1e-5, rtol=0)
 
 
 def _copy_with(src, dst, edit) -> None:

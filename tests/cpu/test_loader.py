@@ -14,6 +14,7 @@ from epserve.models.config import CheckpointError, ModelConfig
 from epserve.models.layers import SparseMoeBlock
 from epserve.models.loader import load_model
 from epserve.models.parallel import ParallelInfo
+from fake_ep import LoopbackComm, RecordingComm
 from tiny_ckpt import make_tiny_checkpoint
 
 CPU = torch.device("cpu")
@@ -209,29 +210,6 @@ def test_world_size_above_one_needs_an_ep_comm(base_ckpts):
         _logits(model, cfg, [3, 4, 5])
 
 
-class _RecordingComm:
-    """Stands in for rank 1: records its local expert functions, contributes nothing itself."""
-
-    def __init__(self):
-        self.local_fns = []
-
-    def moe_forward(self, x, topk_ids, topk_weights, local_fn):
-        self.local_fns.append(local_fn)
-        return torch.zeros_like(x)
-
-
-class _LoopbackComm:
-    """Rank 0's comm: its own experts plus rank 1's, as dispatch/combine would give."""
-
-    def __init__(self, peer_fns):
-        self.peer_fns, self.calls = peer_fns, 0
-
-    def moe_forward(self, x, topk_ids, topk_weights, local_fn):
-        peer = self.peer_fns[self.calls]
-        self.calls += 1
-        return local_fn(x, topk_ids, topk_weights) + peer(x, topk_ids, topk_weights)
-
-
 @pytest.mark.parametrize("load_format", ["auto", "dummy"])
 def test_two_expert_shards_reproduce_the_whole_model(base_ckpts, load_format):
     path, tokens = base_ckpts["mixtral"], [7, 100, 31, 250, 9, 12]
@@ -241,10 +219,10 @@ def test_two_expert_shards_reproduce_the_whole_model(base_ckpts, load_format):
         return _load(path, parallel=parallel, load_format=load_format)
 
     full, cfg = build(ParallelInfo())
-    recorder = _RecordingComm()
+    recorder = RecordingComm()
     rank1, _ = build(ParallelInfo(rank=1, world_size=2, ep_comm=recorder))
     _logits(rank1, cfg, tokens)
-    loopback = _LoopbackComm(recorder.local_fns)
+    loopback = LoopbackComm(recorder.local_fns)
     rank0, _ = build(ParallelInfo(rank=0, world_size=2, ep_comm=loopback))
     n_moe = sum(isinstance(m, SparseMoeBlock) for m in rank0.modules())
     assert len(recorder.local_fns) == n_moe == cfg.num_layers
