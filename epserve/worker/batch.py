@@ -118,16 +118,17 @@ def _align(n: int, k: int) -> int:
     return -(-n // k) * k
 
 
-def _host(n: int, nr: int, ns: int, width: int,
-          pin: bool) -> tuple[torch.Tensor, np.ndarray, np.ndarray]:
+def _host(n: int, nr: int, ns: int, width: int, pin: bool,
+          states: bool) -> tuple[torch.Tensor, np.ndarray, np.ndarray]:
     """A fresh host buffer for one step (a non-blocking copy of the last one may still be in
     flight), pinned for CUDA: int64 ids | positions | KV slots (``align(n, 2)`` each) | sample
-    index (``align(nr, 2)``), then int32 seq lens (``align(ns, 4)``) | block tables
+    index (``align(nr, 2)``) | with ``states``, each sequence's state slot (``align(ns, 2)``),
+    then int32 seq lens (``align(ns, 4)``) | block tables
     ``[ns, width]``. Every section starts 16-byte aligned: Triton specializes kernels on
     pointer alignment, so a section whose alignment changed with the row count would compile a
     new kernel variant in the middle of a run. One buffer: one allocation, one copy. Returns
     the tensor and int64 and int32 numpy views of its two parts."""
-    off = _i32_offset(n, nr)
+    off = _i32_offset(n, nr, ns, states)
     total = off + (_align(ns, 4) + ns * width + 1) // 2
     if pin:
         t = torch.empty(total, dtype=torch.int64, pin_memory=True)
@@ -138,16 +139,17 @@ def _host(n: int, nr: int, ns: int, width: int,
     return t, a[:off], a[off:].view(np.int32)
 
 
-def _i32_offset(n: int, nr: int) -> int:
-    return 3 * _align(n, 2) + _align(nr, 2)
+def _i32_offset(n: int, nr: int, ns: int, states: bool) -> int:
+    return 3 * _align(n, 2) + _align(nr, 2) + (_align(ns, 2) if states else 0)
 
 
 def build_step_inputs(rows: RankRows, tables: BlockTables, block_size: int,
-                      device: torch.device) -> StepInputs:
+                      device: torch.device, states: bool = False) -> StepInputs:
     """Flatten the one-token rows (decode rows, then verify positions) and the prefill
-    chunks into one token batch."""
+    chunks into one token batch. ``states``: the model keeps recurrent state per sequence
+    slot, so the metadata carries each sequence's slot (``AttentionMetadata.state_slots``)."""
     if not rows.chunked:
-        return _decode_inputs(rows, tables, block_size, device)
+        return _decode_inputs(rows, tables, block_size, device, states)
     bs = block_size
     nd = rows.num_decode
     dpos = rows.decode_pos
@@ -174,19 +176,21 @@ def build_step_inputs(rows: RankRows, tables: BlockTables, block_size: int,
     width = -(-int(lens.max()) // bs)
     n2, ns4 = _align(n, 2), _align(ns, 4)
     pin = device.type == "cuda"
-    h, v64, v32 = _host(n, nr, ns, width, pin)
+    h, v64, v32 = _host(n, nr, ns, width, pin, states)
     for k, parts in enumerate((ids, pos, kv)):
         v64[k * n2:k * n2 + n] = np.concatenate(parts) if len(parts) > 1 else parts[0]
     v64[3 * n2:3 * n2 + nr] = sample_index
     v32[:ns] = lens
     row_slots = np.concatenate(slots) if len(slots) > 1 else slots[0]
+    if states:
+        v64[3 * n2 + _align(nr, 2):][:ns] = row_slots
     v32[ns4:ns4 + ns * width].reshape(ns, width)[:] = tables.np[row_slots, :width]
     return _finish(rows, h, n, ns, nr, width, tuple(qsl), lens, tuple(sampled_prefill), bs,
-                   device, pin)
+                   device, pin, states)
 
 
-def _decode_inputs(rows: RankRows, tables: BlockTables, bs: int,
-                   device: torch.device) -> StepInputs:
+def _decode_inputs(rows: RankRows, tables: BlockTables, bs: int, device: torch.device,
+                   states: bool) -> StepInputs:
     """A pure decode step's inputs: the same layout, written in place with as few array calls
     as possible (at a few hundred rows a step's host time is per-call overhead)."""
     nd = rows.num_decode
@@ -195,7 +199,7 @@ def _decode_inputs(rows: RankRows, tables: BlockTables, bs: int,
     lens = pos + 1
     width = -(-int(lens.max()) // bs)
     pin = device.type == "cuda"
-    h, v64, v32 = _host(nd, nd, nd, width, pin)
+    h, v64, v32 = _host(nd, nd, nd, width, pin, states)
     v64[:nd] = rows.decode_ids
     v64[n2:n2 + nd] = pos
     blk, off = np.divmod(pos, bs)
@@ -203,9 +207,12 @@ def _decode_inputs(rows: RankRows, tables: BlockTables, bs: int,
     np.multiply(tables.np[slots, blk], bs, out=kv)
     kv += off
     v64[3 * n2:3 * n2 + nd] = _ARANGE[:nd] if nd <= len(_ARANGE) else np.arange(nd)
+    if states:
+        v64[4 * n2:4 * n2 + nd] = slots
     v32[:nd] = lens
     v32[ns4:ns4 + nd * width].reshape(nd, width)[:] = tables.np[slots, :width]
-    return _finish(rows, h, nd, nd, nd, width, _ranges(nd), lens, (), bs, device, pin)
+    return _finish(rows, h, nd, nd, nd, width, _ranges(nd), lens, (), bs, device, pin,
+                   states)
 
 
 _ARANGE = np.arange(4096, dtype=np.int64)
@@ -222,12 +229,13 @@ def _ranges(n: int) -> tuple[int, ...]:
 
 def _finish(rows: RankRows, h: torch.Tensor, n: int, ns: int, nr: int, width: int,
             qsl: tuple[int, ...], lens: np.ndarray, sampled_prefill: tuple[int, ...], bs: int,
-            device: torch.device, pin: bool) -> StepInputs:
+            device: torch.device, pin: bool, states: bool) -> StepInputs:
     """Copy the host buffer to ``device`` (nothing to copy on the CPU) and cut the step's
     tensors out of it."""
     n2, ns4 = _align(n, 2), _align(ns, 4)
     d = h.to(device, non_blocking=True) if pin else h
-    d32 = d[_i32_offset(n, nr):].view(torch.int32)
+    d32 = d[_i32_offset(n, nr, ns, states):].view(torch.int32)
+    at = 3 * n2 + _align(nr, 2)
     meta = AttentionMetadata(
         slot_mapping=d[2 * n2:2 * n2 + n],
         query_start_loc=qsl,
@@ -235,6 +243,7 @@ def _finish(rows: RankRows, h: torch.Tensor, n: int, ns: int, nr: int, width: in
         block_tables=d32[ns4:ns4 + ns * width].view(ns, width),
         block_size=bs,
         seq_lens_t=d32[:ns] if not rows.chunked else None,
+        state_slots=d[at:at + ns] if states else None,
     )
     return StepInputs(
         input_ids=d[:n],

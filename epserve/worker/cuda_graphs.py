@@ -60,7 +60,7 @@ class DecodeGraphs:
     """
 
     def __init__(self, forward: Forward, device: torch.device, block_size: int,
-                 max_batch: int, max_blocks: int):
+                 max_batch: int, max_blocks: int, spare_state_slot: int | None = None):
         self.forward, self.device, self.block_size = forward, device, block_size
         self.rungs = [1] + [r for r in DECODE_BATCH_LADDER if r <= graph_batch(max_batch)]
         top = DECODE_BATCH_LADDER[-1]
@@ -73,6 +73,10 @@ class DecodeGraphs:
         self.slots = torch.full((top,), -1, dtype=torch.int64, device=device)
         self.block_tables = torch.zeros((top, max_blocks), dtype=torch.int32, device=device)
         self.seq_lens = torch.ones(top, dtype=torch.int32, device=device)
+        # a model with recurrent state: each row's state slot; padding rows use the spare one
+        self.spare_state_slot = spare_state_slot
+        self.state_slots = (None if spare_state_slot is None else
+                            torch.full((top,), spare_state_slot, dtype=torch.int64, device=device))
         self._graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
         self.capture_s = 0.0
 
@@ -80,7 +84,8 @@ class DecodeGraphs:
         return AttentionMetadata(
             slot_mapping=self.slots[:b], query_start_loc=tuple(range(b + 1)),
             seq_lens=(1,) * b, block_tables=self.block_tables[:b], block_size=self.block_size,
-            seq_lens_t=self.seq_lens[:b])
+            seq_lens_t=self.seq_lens[:b],
+            state_slots=None if self.state_slots is None else self.state_slots[:b])
 
     @torch.inference_mode()
     def capture(self) -> None:
@@ -130,8 +135,12 @@ class DecodeGraphs:
         if lens is None:
             lens = torch.frombuffer(array.array("i", meta.seq_lens), dtype=torch.int32)
         self.seq_lens[:n].copy_(lens, non_blocking=True)
-        if b > n:  # padding: no KV write, one harmless KV read
+        if self.state_slots is not None:
+            self.state_slots[:n].copy_(meta.state_slots, non_blocking=True)
+        if b > n:  # padding: no KV write, one harmless KV read (and the spare state slot)
             self.slots[n:b].fill_(-1)
             self.seq_lens[n:b].fill_(1)
+            if self.state_slots is not None:
+                self.state_slots[n:b].fill_(self.spare_state_slot)
         graph.replay()
         return out[:n]

@@ -40,11 +40,15 @@ class EpMirror:
 
     def __init__(self, world_size: int, num_blocks: int, block_size: int, max_slots: int,
                  max_blocks_per_seq: int, vocab_size: int, lookahead: bool = False,
-                 max_logprobs: int = MAX_LOGPROBS):
+                 max_logprobs: int = MAX_LOGPROBS, recurrent: bool = False):
         """``lookahead``: the rank can run ``KIND_DECODE_AHEAD`` steps (one rank, a runner
         with the decode lookahead); elsewhere such a step is refused. ``max_logprobs``: the
-        engine's bound on a row's logprobs and prompt logprobs."""
+        engine's bound on a row's logprobs and prompt logprobs. ``recurrent``: the model
+        keeps recurrent state per sequence (gated DeltaNet), which exists only for the tokens
+        the rank ran: a new sequence starts with no KV, and there are no verify rows or
+        rewinds (no state rollback yet)."""
         self.world_size = world_size
+        self.recurrent = recurrent
         self.max_logprobs = max_logprobs
         self.lookahead = lookahead
         self.num_blocks = num_blocks
@@ -77,6 +81,9 @@ class EpMirror:
             fail(f"unknown command kind {cmd.kind}")
         if cmd.kind == KIND_DECODE_AHEAD and not self.lookahead:
             fail("a decode-ahead step, but this rank runs no decode lookahead")
+        if self.recurrent and (cmd.verify or cmd.rewinds):
+            fail("verify rows or rewinds, but this model keeps recurrent state (no rollback "
+                 "yet)")
         if cmd.kind == KIND_DECODE_AHEAD and cmd.verify:
             fail("a decode-ahead step with verify rows")
         # the arrays are copied only where the command changes them (validate changes nothing)
@@ -127,6 +134,9 @@ class EpMirror:
         key = self._key(n.rank, n.slot, fail, "new sequence")
         if live[key]:
             fail(f"new sequence {key} is already live")
+        if self.recurrent and n.seq_len:
+            fail(f"new sequence {key} with KV for {n.seq_len} tokens: this model keeps "
+                 f"recurrent state, which starts from the sequence's first token", key)
         if n.seq_len < 0 or n.prompt_len < 1:
             fail(f"new sequence {key}: seq_len {n.seq_len}, prompt_len {n.prompt_len}", key)
         if not -1 <= n.prompt_logprobs <= self.max_logprobs:

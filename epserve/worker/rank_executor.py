@@ -56,7 +56,8 @@ class RankExecutor:
         max_logprobs = resolve_max_logprobs(runner.cfg.max_logprobs, vocab)  # engine option
         self.mirror = EpMirror(world_size, runner.num_blocks, runner.block_size, max_slots,
                                runner.tables.max_blocks_per_seq, vocab,
-                               lookahead=runner.lookahead is not None, max_logprobs=max_logprobs)
+                               lookahead=runner.lookahead is not None, max_logprobs=max_logprobs,
+                               recurrent=runner.spare_state_slot is not None)
         # what a correct leader never exceeds: a frame beyond it is refused before any row
         # is built (bounds the work a hostile or corrupt frame can cause)
         self.limits = WireLimits(world_size, max_slots, runner.tables.max_blocks_per_seq,

@@ -19,6 +19,7 @@ import torch
 
 from epserve.kernels.attention import AttentionMetadata
 from epserve.kernels.token_mask import apply_token_masks
+from epserve.models.layer_cache import KvCacheSpec, LayerCacheSpec, StateCacheSpec
 from epserve.models.loader import load_model
 from epserve.models.parallel import ParallelInfo
 from epserve.models.traits import PromptTokenLogprob, SampledToken
@@ -68,26 +69,41 @@ class Runner:
             raise ValueError(f"max_model_len={self.max_model_len} exceeds the model's "
                              f"max_position_embeddings={mc.max_position_embeddings}")
         self.block_size = cfg.block_size
-        self.num_blocks = cfg.num_kv_blocks or self._blocks_from_bytes(self._kv_budget())
-        shape = (self.num_blocks, self.block_size, mc.num_kv_heads, mc.head_dim)
-        self.kv_caches = [(torch.zeros(shape, dtype=self.dtype, device=self.device),
-                           torch.zeros(shape, dtype=self.dtype, device=self.device))
-                          for _ in range(mc.num_layers)]
+        specs = self.model.layer_cache_specs()
+        kv_specs = [c for c in specs if isinstance(c, KvCacheSpec)]
+        state_specs = [c for c in specs if isinstance(c, StateCacheSpec)]
+        # recurrent state: one slot per sequence slot, plus the spare one padded rows use
+        self.spare_state_slot = cfg.max_num_seqs if state_specs else None
+        state_bytes = (cfg.max_num_seqs + 1) * sum(c.bytes_per_slot() for c in state_specs)
+        per_block = self.block_size * sum(c.bytes_per_token(self.dtype) for c in kv_specs)
+        self.num_blocks = cfg.num_kv_blocks or self._blocks_from_bytes(
+            self._kv_budget() - state_bytes, per_block)
+        self.kv_caches = [self._cache(c) for c in specs]
+        # a prefix hit would need the recurrent state at the prefix: no snapshots are kept
+        self.prefix_caching = cfg.enable_prefix_caching and not state_specs
+        if cfg.enable_prefix_caching and state_specs:
+            log.info("prefix caching is off: this model keeps recurrent state (gated DeltaNet) "
+                     "and no state snapshots at block boundaries")
         self.tables = BlockTables(cfg.max_num_seqs, -(-self.max_model_len // self.block_size))
         if self.device.type == "cuda" and parallel.world_size == 1 and cfg.warmup_tokens > 0:
             t0 = time.perf_counter()
             warm_up_prefill(self._forward, self.model.compute_logits, cfg.warmup_tokens,
-                            self.max_model_len, self.block_size, self.device)
+                            self.max_model_len, self.block_size, self.device,
+                            self.spare_state_slot)
             log.info("prefill warm-up (%d tokens) in %.1f s", cfg.warmup_tokens,
                      time.perf_counter() - t0)
         self.graphs: DecodeGraphs | None = None
         if self.device.type == "cuda" and not cfg.enforce_eager and parallel.world_size == 1:
             self.graphs = DecodeGraphs(self._forward, self.device, self.block_size,
-                                       cfg.max_num_seqs, self.tables.max_blocks_per_seq)
+                                       cfg.max_num_seqs, self.tables.max_blocks_per_seq,
+                                       self.spare_state_slot)
             self.graphs.capture()
         self.lookahead: DecodeLookahead | None = None
         lookahead = cfg.decode_lookahead
-        if lookahead or (lookahead is None and self.graphs is not None):
+        if lookahead and state_specs:  # a discarded lookahead would have advanced the state
+            raise ValueError("decode_lookahead is not available for models with recurrent "
+                             "state (gated-DeltaNet layers) yet")
+        if lookahead or (lookahead is None and self.graphs is not None and not state_specs):
             self.lookahead = DecodeLookahead(self._forward, self.graphs, self.tables,
                                              self.block_size, self.device, self.max_model_len)
         self._ready: torch.Tensor | None = None  # the lookahead's hidden states for this step
@@ -96,8 +112,17 @@ class Runner:
                  meta: AttentionMetadata) -> torch.Tensor:
         return self.model(input_ids, positions, self.kv_caches, meta)
 
+    def _cache(self, spec: LayerCacheSpec) -> tuple[torch.Tensor, torch.Tensor]:
+        """One layer's cache: paged K and V, or the per-slot recurrent states."""
+        if isinstance(spec, StateCacheSpec):
+            return spec.allocate(self.cfg.max_num_seqs + 1, self.device)
+        shape = (self.num_blocks, self.block_size, spec.num_kv_heads, spec.head_dim)
+        return (torch.zeros(shape, dtype=self.dtype, device=self.device),
+                torch.zeros(shape, dtype=self.dtype, device=self.device))
+
     def _kv_budget(self) -> int:
-        """Bytes for the KV cache when ``num_kv_blocks`` is not given."""
+        """Bytes for the KV cache (and recurrent states) when ``num_kv_blocks`` is not
+        given."""
         if self.device.type != "cuda":
             return self.cfg.kv_cache_bytes
         free, total = torch.cuda.mem_get_info(self.device)
@@ -110,11 +135,11 @@ class Runner:
                              f"{total / 2**30:.1f} GiB in use)")
         return budget
 
-    def _blocks_from_bytes(self, budget: int) -> int:
-        mc = self.model_config
-        per_block = (2 * mc.num_layers * self.block_size * mc.num_kv_heads * mc.head_dim
-                     * torch.finfo(self.dtype).bits // 8)
-        return max(2, budget // per_block)
+    def _blocks_from_bytes(self, budget: int, per_block: int) -> int:
+        if budget <= 0:
+            raise ValueError(f"the recurrent states of max_num_seqs={self.cfg.max_num_seqs} "
+                             f"sequences leave no memory for a KV cache; lower max_num_seqs")
+        return max(2, budget // max(per_block, 1))
 
 
     # ------------------------------------------------------------------ one step
@@ -126,7 +151,8 @@ class Runner:
             self._ready = self.lookahead.take(rows)
             if self._ready is not None:
                 return None
-        return build_step_inputs(rows, self.tables, self.block_size, self.device)
+        return build_step_inputs(rows, self.tables, self.block_size, self.device,
+                                 self.spare_state_slot is not None)
 
     @torch.inference_mode()
     def execute(self, rows: RankRows, inp: StepInputs | None, ahead: bool = False,
@@ -185,7 +211,8 @@ class Runner:
         meta = AttentionMetadata(slot_mapping=empty, query_start_loc=(0,), seq_lens=(),
                                  block_tables=torch.zeros((0, 1), dtype=torch.int32,
                                                           device=self.device),
-                                 block_size=self.block_size)
+                                 block_size=self.block_size,
+                                 state_slots=None if self.spare_state_slot is None else empty)
         self.model(empty, empty, self.kv_caches, meta)
 
     # ------------------------------------------------------------------ facts and lifecycle

@@ -91,7 +91,7 @@ class StepModel(ForwardForms, KvLifecycle):
         self.max_model_len = r.max_model_len
         self.block_size = r.block_size
         self.book = KvBook(world_size, r.num_blocks, r.block_size, r.cfg.max_num_seqs,
-                           r.max_model_len, r.cfg.enable_prefix_caching)
+                           r.max_model_len, r.prefix_caching)
         self.view = RankView(world_size, r.cfg.max_num_seqs)
         self._fault: Callable[[StepCommand, Any], StepCommand] | None = None
         self._shipment: Shipment | None = None
@@ -107,8 +107,9 @@ class StepModel(ForwardForms, KvLifecycle):
     # ------------------------------------------------------------------ facts
 
     def capabilities(self) -> frozenset[str]:
-        extra = {"ep"} if self.world_size > 1 else {"logits"}
-        return frozenset({"forward", "lifecycle", "streams", "circuit", "verify"} | extra)
+        extra = ({"ep"} if self.world_size > 1 else {"logits"}) | (  # recurrent: no rollback
+            {"verify"} if self.runner.spare_state_slot is None else set())
+        return frozenset({"forward", "lifecycle", "streams", "circuit"} | extra)
 
     def forward_disclosure(self) -> ForwardDisclosure:
         return ForwardDisclosure()
