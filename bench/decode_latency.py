@@ -1,6 +1,6 @@
 """Batch-1 (and batch-B) decode step time of epserve on one GPU, random bf16 weights.
 
-Shapes default to Qwen3-30B-A3B. The step time is steady-state decode: the median wall time
+Shapes: ``--model-shape`` (bench/shapes.py), default Qwen3-30B-A3B. The step time is steady-state decode: the median wall time
 of the decode steps of ``--repeats`` generates of S+1 tokens (each step timed from the
 engine's previous step return to its own: host work, graph replay, LM head, sampling and the
 token copy back; the prefill step left out), with the 90th percentile beside it. With
@@ -8,7 +8,7 @@ token copy back; the prefill step left out), with the 90th percentile beside it.
 batch 1 first, in the same process, and the table gets its step time and the ratio. Prints a
 table last.
 
-    python bench/decode_latency.py [--layers 48] [--batch 1 8] [--steps 32] [--with-transformers]
+    python bench/decode_latency.py [--model-shape qwen3-30b-a3b] [--layers 48] [--batch 1 8] [--steps 32] [--with-transformers]
 """
 
 from __future__ import annotations
@@ -23,35 +23,15 @@ from pathlib import Path
 import torch
 
 from epserve import LLM, SamplingParams
-
-QWEN3_30B_A3B = {
-    "architectures": ["Qwen3MoeForCausalLM"], "model_type": "qwen3_moe", "vocab_size": 151936,
-    "hidden_size": 2048, "intermediate_size": 6144, "moe_intermediate_size": 768,
-    "num_hidden_layers": 48, "num_attention_heads": 32, "num_key_value_heads": 4,
-    "head_dim": 128, "num_experts": 128, "num_experts_per_tok": 8, "norm_topk_prob": True,
-    "max_position_embeddings": 4096, "rms_norm_eps": 1e-6, "rope_theta": 1000000.0,
-    "tie_word_embeddings": False, "torch_dtype": "bfloat16",
-}
-
-
-def active_bytes(cfg: dict) -> float:
-    """Bytes one decode step must read at batch 1 (bf16): attention, 8 experts, router, lm_head."""
-    h, layers = cfg["hidden_size"], cfg["num_hidden_layers"]
-    d, hq, hkv = cfg["head_dim"], cfg["num_attention_heads"], cfg["num_key_value_heads"]
-    attn = h * d * (hq + 2 * hkv) + hq * d * h
-    experts = cfg["num_experts_per_tok"] * 3 * h * cfg["moe_intermediate_size"]
-    router = h * cfg["num_experts"]
-    return 2.0 * (layers * (attn + experts + router) + cfg["vocab_size"] * h)
-
+from shapes import QWEN3_30B_A3B, SHAPES, active_bytes, hf_config, shape  # noqa: F401
 
 def transformers_step_ms(cfg: dict, steps: int) -> float:
     """transformers ``generate`` at batch 1 on the same config (random bf16 weights)."""
     import gc
 
-    from transformers import AutoModelForCausalLM, Qwen3MoeConfig
+    from transformers import AutoModelForCausalLM
 
-    hf_cfg = Qwen3MoeConfig(**{k: v for k, v in cfg.items()
-                               if k not in ("architectures", "model_type", "torch_dtype")})
+    hf_cfg = hf_config(cfg)
     with torch.device("cuda"):
         model = AutoModelForCausalLM.from_config(hf_cfg, dtype=torch.bfloat16).eval()
     ids = torch.randint(5, 1000, (1, 16), device="cuda")
@@ -120,14 +100,15 @@ def graph_replay_ms(llm: LLM, batch: int, iters: int = 50) -> float | None:
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--layers", type=int, default=48)
+    ap.add_argument("--model-shape", choices=sorted(SHAPES), default="qwen3-30b-a3b")
+    ap.add_argument("--layers", type=int, help="cut the shape to this many layers")
     ap.add_argument("--batch", type=int, nargs="+", default=[1, 8])
     ap.add_argument("--steps", type=int, default=32)
     ap.add_argument("--hbm-gbps", type=float, default=4251.0, help="measured d2d copy GB/s")
     ap.add_argument("--with-transformers", action="store_true")
     ap.add_argument("--repeats", type=int, default=3, help="generates per batch size")
     args = ap.parse_args(argv)
-    cfg = dict(QWEN3_30B_A3B, num_hidden_layers=args.layers)
+    cfg = shape(args.model_shape, args.layers)
     hf_ms = transformers_step_ms(cfg, args.steps) if args.with_transformers else None
     folder = Path(tempfile.mkdtemp())
     (folder / "config.json").write_text(json.dumps(cfg))
@@ -149,7 +130,8 @@ def main(argv: list[str] | None = None) -> int:
         steps_ms.sort()
         med, p90 = steps_ms[len(steps_ms) // 2], steps_ms[int(len(steps_ms) * 0.9)]
         rows.append((b, med, p90, b * 1e3 / med, graph_replay_ms(llm, b)))
-    print(f"\nmodel: Qwen3-30B-A3B shape, {args.layers} layers, random bf16, load {load_s:.1f} s; "
+    print(f"\nmodel: {args.model_shape} shape, {cfg['num_hidden_layers']} layers, random bf16, "
+          f"load {load_s:.1f} s; "
           f"HBM floor at batch 1: {floor_ms:.2f} ms ({active_bytes(cfg) / 1e9:.2f} GB)")
     if hf_ms is not None:
         print(f"transformers generate, batch 1, same run: {hf_ms:.2f} ms per token")

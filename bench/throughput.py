@@ -44,6 +44,7 @@ def _no_ray(exc: ModuleNotFoundError) -> bool:
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 try:  # decode_latency imports epserve's LLM
     from decode_latency import QWEN3_30B_A3B, active_bytes  # noqa: E402
+    from shapes import SHAPES, hf_config, shape  # noqa: E402
 except ModuleNotFoundError as _exc:
     if _no_ray(_exc):
         sys.exit(2)
@@ -90,11 +91,10 @@ def run_transformers(cfg: dict, work: dict, args, dtype: torch.dtype) -> list[Re
     """transformers ``generate_batch`` per workload: a warm-up call that keeps its manager
     (``persistent_manager=True``, so sized by the explicit config, not the warm-up's hints),
     then the timed call on that manager; the manager is destroyed before the next workload."""
-    from transformers import AutoModelForCausalLM, GenerationConfig, Qwen3MoeConfig
+    from transformers import AutoModelForCausalLM, GenerationConfig
     from transformers.generation import ContinuousBatchingConfig
 
-    hf_cfg = Qwen3MoeConfig(**{k: v for k, v in cfg.items()
-                               if k not in ("architectures", "model_type", "torch_dtype")})
+    hf_cfg = hf_config(cfg)
     with torch.device(args.device):
         model = AutoModelForCausalLM.from_config(
             hf_cfg, dtype=dtype, attn_implementation=args.hf_attn).eval()
@@ -255,7 +255,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--requests", type=int, help="override the workload's request count")
     ap.add_argument("--in-len", type=int, help="override the prompt length")
     ap.add_argument("--out-len", type=int, help="override the output length")
-    ap.add_argument("--layers", type=int, default=48)
+    ap.add_argument("--model-shape", choices=sorted(SHAPES), default="qwen3-30b-a3b")
+    ap.add_argument("--layers", type=int, help="cut the shape to this many layers")
     ap.add_argument("--tiny", action="store_true", help="2-layer tiny config (CPU smoke test)")
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     ap.add_argument("--skip-transformers", action="store_true")
@@ -276,7 +277,7 @@ def main(argv: list[str] | None = None) -> int:
 
         flash = args.device.startswith("cuda") and importlib.util.find_spec("flash_attn")
         args.hf_attn = "paged|flash_attention_2" if flash else "paged|sdpa"
-    cfg = TINY if args.tiny else dict(QWEN3_30B_A3B, num_hidden_layers=args.layers)
+    cfg = TINY if args.tiny else shape(args.model_shape, args.layers)
     on_cuda = args.device.startswith("cuda")
     work = {}
     for w in args.workload:
@@ -304,7 +305,7 @@ def main(argv: list[str] | None = None) -> int:
             return 2
         raise
 
-    print(f"\nmodel: Qwen3-30B-A3B shape{' (tiny)' if args.tiny else ''}, "
+    print(f"\nmodel: {args.model_shape} shape{' (tiny)' if args.tiny else ''}, "
           f"{cfg['num_hidden_layers']} layers, random {'bf16' if on_cuda else 'fp32'}, "
           f"device {args.device}; greedy, EOS ignored; transformers attn {args.hf_attn}")
     print("| workload | engine | wall s | out tok/s | mean step ms | floor / wall "
