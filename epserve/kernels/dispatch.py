@@ -10,13 +10,18 @@ and its Triton module (``epserve/kernels/triton/<name>.py``), which imports noth
 package but this module (and sibling Triton modules), so imports run op -> Triton, never back:
 the kernels' limits the entries read before importing triton, the argument checks both raise
 from (``ValueError`` naming the caller and the offending tensor), and the constants of the
-sampling noise hash. Nothing here imports triton at module level or reads device memory.
+sampling noise hash; the per-slot state helpers of the gated-DeltaNet ops (``gather_states``,
+``check_state_step``). Nothing here imports triton at module level or reads device memory.
+
+``fla_function`` is the other decision: fla-core's kernels (the gated-DeltaNet prefill), an
+optional extra imported lazily, only for CUDA tensors outside the interpreter.
 """
 
 from __future__ import annotations
 
 import functools
 import importlib
+import logging
 import os
 
 import torch
@@ -30,6 +35,11 @@ MAX_NORM_H = 8192
 MAX_TRITON_EXPERTS = 512
 #: The most rows the fused norm + router launch takes (each program re-normalises its row).
 MAX_FUSED_TOKENS = 64
+
+#: Key head dims the gated-delta decode kernel takes: one [Dk, BV] float32 state tile a program.
+MAX_DELTA_DK = 256
+#: Conv widths the causal-conv update kernel takes (the window is unrolled).
+MAX_CONV_WIDTH = 8
 
 #: The sampling noise hash (``sampling_noise``'s definition, the kernel's bits): 32-bit mask and
 #: the two odd multipliers of ``mix32``, each below 2**31 so int64 products are exact.
@@ -48,10 +58,79 @@ def triton_available() -> bool:
     return True
 
 
+log = logging.getLogger(__name__)
+
+
 def use_triton(x: torch.Tensor) -> bool:
     """Whether the op on ``x`` runs its Triton kernel: ``x`` on CUDA, or any device while
     ``TRITON_INTERPRET=1``, and triton importable. Layout and dtype limits are the op's."""
     return (x.is_cuda or os.environ.get("TRITON_INTERPRET") == "1") and triton_available()
+
+
+@functools.cache
+def _fla_module(module: str):
+    """``module`` of fla-core, or None (logged once) when it is not installed."""
+    try:
+        return importlib.import_module(module)
+    except ImportError as exc:
+        log.info("fla-core is not installed (%s): the torch reference runs instead "
+                 "(pip install 'epserve[gpu]')", exc)
+        return None
+
+
+def fla_function(x: torch.Tensor, module: str, name: str):
+    """fla-core's ``module.name`` for an op on ``x``, or None: only for a CUDA ``x`` outside the
+    Triton interpreter (importing fla breaks the interpreter in the same process, so the CPU
+    path never imports it), and only where fla-core is installed (an optional extra)."""
+    if not x.is_cuda or os.environ.get("TRITON_INTERPRET") == "1" or not triton_available():
+        return None
+    mod = _fla_module(module)
+    return None if mod is None else getattr(mod, name)
+
+
+_OFFSETS: list = [None, None, None]  # [cu_seqlens, cu on its device, cu on the host]
+
+
+def fla_offsets(cu_seqlens, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """``cu_seqlens`` (host ints) as int64 tensors on ``device`` and on the host, for fla's varlen
+    kernels. One step's layers pass the same tuple: they share one pair (and fla's caches keyed
+    on it), held here until the next step's tuple."""
+    c = _OFFSETS
+    if c[0] is cu_seqlens and c[1].device == device:
+        return c[1], c[2]
+    cpu = torch.tensor(cu_seqlens, dtype=torch.int64)
+    c[:] = [cu_seqlens if isinstance(cu_seqlens, tuple) else None, cpu.to(device), cpu]
+    return c[1], c[2]
+
+
+def gather_states(pool: torch.Tensor, slots: torch.Tensor, fresh: torch.Tensor) -> torch.Tensor:
+    """The per-slot states of a step's sequences, copied out of ``pool`` [N, ...]:
+    ``pool[slots]`` [S, ...], zeros where ``fresh[s]`` (a sequence that starts from nothing)."""
+    return pool[slots].masked_fill(fresh.view(-1, *(1,) * (pool.dim() - 1)), 0)
+
+
+def check_state_step(name: str, pool: torch.Tensor, shape: tuple[int, ...], slots: torch.Tensor,
+                     fresh: torch.Tensor, rows: int | None = None) -> int:
+    """A step over per-slot states: ``pool`` [N, *shape] (one of ``DTYPES``), ``slots`` [S] int64
+    or int32 and ``fresh`` [S] bool on the pool's device (``S == rows`` where given). Returns S.
+    The slots' values live on the device: not checked (each < N, distinct but for padding)."""
+    if pool.dim() != len(shape) + 1 or tuple(pool.shape[1:]) != tuple(shape):
+        raise ValueError(f"{name}: state pool {tuple(pool.shape)} must be [N, "
+                         f"{', '.join(map(str, shape))}]")
+    if pool.dtype not in DTYPES:
+        raise ValueError(f"{name}: state pool dtype {pool.dtype} must be one of {DTYPES}")
+    s = slots.shape[0] if slots.dim() == 1 else -1
+    if s < 0 or slots.dtype not in (torch.int64, torch.int32):
+        raise ValueError(f"{name}: slots {tuple(slots.shape)} {slots.dtype} must be [S] int64 "
+                         f"or int32")
+    if fresh.shape != (s,) or fresh.dtype != torch.bool:
+        raise ValueError(f"{name}: fresh {tuple(fresh.shape)} {fresh.dtype} must be [{s}] bool")
+    if rows is not None and rows != s:
+        raise ValueError(f"{name}: {rows} rows for {s} sequences (a decode step is one row each)")
+    if slots.device != pool.device or fresh.device != pool.device:
+        raise ValueError(f"{name}: slots on {slots.device}, fresh on {fresh.device}, state pool "
+                         f"on {pool.device}")
+    return s
 
 
 def interpreted(kernel) -> bool:

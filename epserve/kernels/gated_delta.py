@@ -18,6 +18,19 @@ states before these tokens, float32), and return the outputs [T, Hv, Dv] in the 
 and the states after them. Invariant: splitting a sequence's tokens over several calls, each
 starting from the state the last one returned, gives the outputs of one call (chunked
 prefill, then decode).
+
+``gated_delta_step`` is the entry over a per-slot state pool ``[N, Hv, Dk, Dv]`` (a layer's
+recurrent cache, float32): sequence s continues from ``state_pool[slots[s]]`` (zeros where
+``fresh[s]``) and its new state is written back there, in place; no other slot is touched
+(CUDA-graph padding rows all name one spare slot, which they may overwrite). Where it runs:
+
+- a decode step (one token per sequence) where ``dispatch.use_triton`` says so:
+  ``epserve.kernels.triton.gated_delta_decode``, one launch reading and writing the pool
+  through ``slots`` (CUDA-graph capturable: nothing read from the host);
+- any other step on CUDA with fla-core installed: fla's ``chunk_gated_delta_rule`` (varlen,
+  q/k normalised in its kernel; same state layout), the states gathered and scattered;
+- otherwise (CPU, or no fla) ``recurrent_ref`` for a decode step, else ``chunked_ref``,
+  gathered and scattered.
 """
 
 from __future__ import annotations
@@ -25,6 +38,9 @@ from __future__ import annotations
 from typing import Sequence
 
 import torch
+
+from epserve.kernels.dispatch import (DTYPES, MAX_DELTA_DK, check_state_step, fla_function,
+                                      fla_offsets, gather_states, use_triton)
 
 
 def _prepare(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, qk_l2norm: bool,
@@ -116,3 +132,66 @@ def chunked_ref(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tens
             st = gsum[:, -1].exp()[:, None, None] * st + (kc * tail[:, :, None]).transpose(1, 2) @ u
         new[s] = st
     return out.to(dtype), new
+
+
+def gated_delta_step(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor,
+                     beta: torch.Tensor, state_pool: torch.Tensor, slots: torch.Tensor,
+                     fresh: torch.Tensor, cu_seqlens: Sequence[int], decode: bool) -> torch.Tensor:
+    """The rule (q and k L2-normalised, q scaled by ``Dk ** -0.5``) over the per-slot pool, in
+    place (see the module).
+
+    q, k: [T, Hk, Dk]; v: [T, Hv, Dv]; g (log decays), beta: [T, Hv]; ``cu_seqlens``: S + 1
+    host offsets; state_pool: [N, Hv, Dk, Dv]; slots: [S] int64; fresh: [S] bool;
+    ``decode``: every sequence has one token (``cu_seqlens`` is ``0, 1, .., S``: trusted, not
+    read, so a CUDA graph may hold placeholders). Returns o [T, Hv, Dv] in v's dtype."""
+    name = "gated_delta_step"
+    if q.dim() != 3 or q.shape != k.shape or v.dim() != 3 or v.shape[0] != q.shape[0]:
+        raise ValueError(f"{name}: q {tuple(q.shape)}, k {tuple(k.shape)} must be [T, Hk, Dk] "
+                         f"and v {tuple(v.shape)} [T, Hv, Dv]")
+    dk = q.shape[2]
+    hv, dv = v.shape[1:]
+    s = check_state_step(name, state_pool, (hv, dk, dv), slots, fresh,
+                         rows=q.shape[0] if decode else None)
+    if len(cu_seqlens) != s + 1:
+        raise ValueError(f"{name}: cu_seqlens has {len(cu_seqlens)} entries for {s} sequences")
+    if decode and _decode_kernel_covers(q, k, v, g, beta, state_pool):
+        from epserve.kernels.triton.gated_delta_decode import gated_delta_decode_triton
+
+        return gated_delta_decode_triton(q, k, v, g, beta, state_pool, slots, fresh)
+    chunk = fla_function(v, "fla.ops.gated_delta_rule", "chunk_gated_delta_rule")
+    if chunk is not None and _fla_covers(q, k, v, state_pool):
+        return _rule_fla(chunk, q, k, v, g, beta, state_pool, slots, fresh, cu_seqlens)
+    rule = recurrent_ref if decode else chunked_ref
+    o, new = rule(q, k, v, g, beta, gather_states(state_pool, slots, fresh), cu_seqlens)
+    state_pool[slots] = new.to(state_pool.dtype)
+    return o
+
+
+def _decode_kernel_covers(q, k, v, g, beta, pool) -> bool:
+    """``use_triton`` and the dtypes, head dims and layouts the decode kernel takes."""
+    tensors = (q, k, v, g, beta, pool)
+    if any(t.dtype not in DTYPES for t in tensors) or q.shape[2] > MAX_DELTA_DK:
+        return False
+    if any(t.stride(-1) != 1 for t in (q, k, v, pool)) or v.shape[1] % max(1, k.shape[1]):
+        return False
+    return use_triton(v) and all(t.device == v.device for t in tensors)
+
+
+def _fla_covers(q, k, v, pool) -> bool:
+    """fla's chunked kernels: one dtype for q, k, v; head dims multiples of 16, Dk <= 256."""
+    dk, dv = q.shape[2], v.shape[2]
+    return (q.dtype == k.dtype == v.dtype and v.dtype in DTYPES and pool.dtype in DTYPES
+            and 16 <= dk <= 256 and dk % 16 == 0 and dv % 16 == 0 and dv > 0
+            and k.shape[1] > 0 and v.shape[1] % k.shape[1] == 0)
+
+
+def _rule_fla(chunk, q, k, v, g, beta, pool, slots, fresh, cu_seqlens) -> torch.Tensor:
+    """fla's varlen chunked rule from the gathered states (float32 [S, Hv, Dk, Dv], its layout);
+    its final states (float32) go back to the slots."""
+    cu, cu_cpu = fla_offsets(cu_seqlens, v.device)
+    h0 = gather_states(pool, slots, fresh).float()
+    o, final = chunk(q[None], k[None], v[None], g.float()[None], beta[None],
+                     scale=q.shape[2] ** -0.5, initial_state=h0, output_final_state=True,
+                     cu_seqlens=cu, cu_seqlens_cpu=cu_cpu, use_qk_l2norm_in_kernel=True)
+    pool[slots] = final.to(pool.dtype)
+    return o[0].to(v.dtype)

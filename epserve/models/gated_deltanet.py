@@ -12,10 +12,12 @@ head; ``out_proj``.
 
 Invariants: each sequence of the step reads its conv and recurrent states from its slot
 (``meta.state_slots``), or zeros when it starts fresh (no KV before the step), and its new
-states are written back into the same slots, in place; no other slot is touched. A pure
-decode step runs the rule token by token (``recurrent_ref``), any other step chunked
-(``chunked_ref``; a one-token segment is a chunk of one). Rows past ``query_start_loc[-1]``
-are padding: output zeros, no state read or written.
+states are written back into the same slots, in place; no other slot is touched. The two
+entries own that: ``causal_conv_step`` and ``gated_delta_step`` work on the pools at the
+slots (a pure decode step: the Triton decode kernels on CUDA, CUDA-graph capturable; a
+prefill: fla-core's kernels on CUDA where installed; the torch references otherwise, the
+recurrent form for a pure decode step, the chunked one else). Rows past
+``query_start_loc[-1]`` are padding: output zeros, no state read or written.
 """
 
 from __future__ import annotations
@@ -25,8 +27,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from epserve.kernels.attention import AttentionMetadata
-from epserve.kernels.causal_conv import causal_conv1d_ref
-from epserve.kernels.gated_delta import chunked_ref, recurrent_ref
+from epserve.kernels.causal_conv import causal_conv_step
+from epserve.kernels.gated_delta import gated_delta_step
 from epserve.kernels.linear import linear
 from epserve.kernels.norm import gated_rms_norm
 from epserve.models.config import ModelConfig
@@ -87,19 +89,16 @@ class GatedDeltaNet(nn.Module):
         conv_state, rec_state = states
         slots = meta.state_slots
         fresh = fresh_sequences(meta, x.device)  # [S]
-        conv0 = conv_state[slots].masked_fill(fresh[:, None, None], 0)  # [S, C, K-1], gathered
-        rec0 = rec_state[slots].masked_fill(fresh[:, None, None, None], 0)  # [S, Hv, Dk, Dv]
-        mixed, conv_new = causal_conv1d_ref(mixed, self.conv_weight, conv0, qsl)  # SiLU'd
+        decode = qsl == tuple(range(len(qsl)))
+        mixed = causal_conv_step(mixed, self.conv_weight, conv_state, slots, fresh, qsl,
+                                 decode)  # SiLU'd
         kd = self.key_dim
         q = mixed[:, :kd].reshape(n, hk, dk)
         k = mixed[:, kd:2 * kd].reshape(n, hk, dk)
         v = mixed[:, 2 * kd:].reshape(n, hv, dv)
         beta = b.sigmoid()  # [n, Hv]
         g = -self.A_log.float().exp() * F.softplus(a.float() + self.dt_bias)  # [n, Hv] <= 0
-        rule = recurrent_ref if qsl == tuple(range(len(qsl))) else chunked_ref
-        o, rec_new = rule(q, k, v, g, beta, rec0, qsl)  # [n, Hv, Dv], [S, Hv, Dk, Dv]
-        conv_state[slots] = conv_new.to(conv_state.dtype)
-        rec_state[slots] = rec_new.to(rec_state.dtype)
+        o = gated_delta_step(q, k, v, g, beta, rec_state, slots, fresh, qsl, decode)  # [n,Hv,Dv]
         o = self.norm(o, z.reshape(n, hv, dv))
         out = linear(o.reshape(n, self.value_dim), self.out_proj.weight)  # [n, H]
         if n < t:  # padding rows

@@ -1,0 +1,115 @@
+"""Triton gated-delta-rule decode: one token per sequence, its recurrent state read and written
+in place in the per-slot pool.
+
+Same contract as ``recurrent_ref`` (the definition) over one-token segments, the states
+gathered from and scattered back to ``state_pool[slots]``: per value head h (key head
+``h // (Hv / Hk)``), with k L2-normalised and q L2-normalised and scaled,
+
+    S <- exp(g) * S;   S <- S + k (beta (v - S^T k))^T;   o = S^T q
+
+where ``S`` [Dk, Dv] is the slot's state (zeros where ``fresh[s]``: nothing is read), stored
+back after the token. Only the sequences' slots are written; padded rows of a CUDA graph all
+name the spare slot, which they may overwrite.
+
+Grid: (sequence, value head, block of BV value columns): each program holds a [Dk, BV] float32
+tile of the state (``Dk <= MAX_DELTA_DK``); the blocks of one head share nothing but q and k.
+Every stored value depends on a reduction over the whole tile, so all of it is loaded before
+any of it is stored. Nothing is read from the host: a CUDA graph replays it with new slots and
+lengths.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from epserve.kernels.dispatch import (DTYPES, MAX_DELTA_DK, check_devices, check_state_step,
+                                      interpreted)
+
+
+@triton.jit
+def _gated_delta_decode_kernel(q_ptr, k_ptr, v_ptr, g_ptr, beta_ptr, pool_ptr, slot_ptr,
+                               fresh_ptr, o_ptr,
+                               stride_qs, stride_qh, stride_ks, stride_kh, stride_vs, stride_vh,
+                               stride_gs, stride_gh, stride_bs, stride_bh,
+                               stride_pn, stride_ph, stride_pk, stride_os, stride_oh,
+                               group, DK, DV, scale, eps,
+                               DK_P: tl.constexpr, BV: tl.constexpr):
+    s = tl.program_id(0).to(tl.int64)
+    h = tl.program_id(1).to(tl.int64)
+    offs_k = tl.arange(0, DK_P)
+    offs_v = tl.program_id(2) * BV + tl.arange(0, BV)
+    mask_k, mask_v = offs_k < DK, offs_v < DV
+    kh = h // group
+    q = tl.load(q_ptr + s * stride_qs + kh * stride_qh + offs_k, mask=mask_k,
+                other=0.0).to(tl.float32)
+    k = tl.load(k_ptr + s * stride_ks + kh * stride_kh + offs_k, mask=mask_k,
+                other=0.0).to(tl.float32)
+    q = q * tl.rsqrt(tl.sum(q * q, axis=0) + eps) * scale
+    k = k * tl.rsqrt(tl.sum(k * k, axis=0) + eps)
+    v = tl.load(v_ptr + s * stride_vs + h * stride_vh + offs_v, mask=mask_v,
+                other=0.0).to(tl.float32)
+    decay = tl.exp(tl.load(g_ptr + s * stride_gs + h * stride_gh).to(tl.float32))
+    beta = tl.load(beta_ptr + s * stride_bs + h * stride_bh).to(tl.float32)
+    slot = tl.load(slot_ptr + s).to(tl.int64)
+    # A fresh sequence starts from zeros: no row of the state is read (folded into the integer
+    # bound, as a scalar bool in a tensor mask is refused by newer Triton interpreters).
+    live_k = tl.where(tl.load(fresh_ptr + s) != 0, 0, DK)
+    tile = (pool_ptr + slot * stride_pn + h * stride_ph + offs_k[:, None] * stride_pk
+            + offs_v[None, :])
+    state = tl.load(tile, mask=(offs_k[:, None] < live_k) & mask_v[None, :],
+                    other=0.0).to(tl.float32) * decay
+    write = beta * (v - tl.sum(state * k[:, None], axis=0))  # [BV]: what k misses, scaled
+    state = state + k[:, None] * write[None, :]
+    o = tl.sum(state * q[:, None], axis=0)
+    tl.store(o_ptr + s * stride_os + h * stride_oh + offs_v, o.to(o_ptr.dtype.element_ty),
+             mask=mask_v)
+    tl.store(tile, state.to(pool_ptr.dtype.element_ty), mask=mask_k[:, None] & mask_v[None, :])
+
+
+# triton.jit picks the interpreter from TRITON_INTERPRET when this module is imported.
+INTERPRETED = interpreted(_gated_delta_decode_kernel)
+
+
+def gated_delta_decode_triton(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor,
+                              beta: torch.Tensor, state_pool: torch.Tensor, slots: torch.Tensor,
+                              fresh: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
+    """One decode token per sequence through the gated delta rule, the pool updated in place.
+
+    q, k: [S, Hk, Dk]; v: [S, Hv, Dv] (Hv a multiple of Hk; fp32/fp16/bf16, each its own, last
+    dim contiguous, other strides free); g, beta: [S, Hv] (the log decay and the write
+    strength, any float dtype of ``DTYPES``); state_pool: [N, Hv, Dk, Dv] (float32 as a rule,
+    last dim contiguous); slots: [S] int64/int32; fresh: [S] bool. q is scaled by
+    ``Dk ** -0.5`` after its L2 norm. Returns o [S, Hv, Dv] in v's dtype."""
+    name = "gated_delta_decode_triton"
+    if q.dim() != 3 or q.shape != k.shape or v.dim() != 3 or v.shape[0] != q.shape[0]:
+        raise ValueError(f"{name}: q {tuple(q.shape)}, k {tuple(k.shape)} must be [S, Hk, Dk] "
+                         f"and v {tuple(v.shape)} [S, Hv, Dv]")
+    s, hk, dk = q.shape
+    hv, dv = v.shape[1:]
+    if hk == 0 or hv % hk or g.shape != (s, hv) or beta.shape != (s, hv):
+        raise ValueError(f"{name}: {hv} value heads over {hk} key heads, g {tuple(g.shape)} "
+                         f"and beta {tuple(beta.shape)} must be [{s}, {hv}]")
+    if dk > MAX_DELTA_DK:
+        raise ValueError(f"{name}: key head dim {dk} > {MAX_DELTA_DK}")
+    check_state_step(name, state_pool, (hv, dk, dv), slots, fresh, rows=s)
+    if any(t.dtype not in DTYPES for t in (q, k, v, g, beta)):
+        raise ValueError(f"{name}: q, k, v, g, beta dtypes must be in {DTYPES}")
+    if any(t.stride(-1) != 1 for t in (q, k, v, state_pool)) and min(dk, dv) > 1:
+        raise ValueError(f"{name}: q, k, v and the state pool need a contiguous last dim")
+    check_devices(name, (q, k, v, g, beta, state_pool, slots, fresh), INTERPRETED,
+                  "epserve.kernels.triton.gated_delta_decode")
+    o = torch.empty(s, hv, dv, dtype=v.dtype, device=v.device)
+    if s == 0 or dv == 0:
+        return o
+    dk_p = triton.next_power_of_2(dk)
+    bv = min(triton.next_power_of_2(dv), max(8, 4096 // dk_p))
+    _gated_delta_decode_kernel[(s, hv, triton.cdiv(dv, bv))](
+        q, k, v, g, beta, state_pool, slots.contiguous(), fresh.contiguous().view(torch.uint8), o,
+        q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
+        g.stride(0), g.stride(1), beta.stride(0), beta.stride(1),
+        state_pool.stride(0), state_pool.stride(1), state_pool.stride(2),
+        o.stride(0), o.stride(1), hv // hk, dk, dv, dk ** -0.5, eps,
+        DK_P=dk_p, BV=bv, num_warps=4 if dk_p * bv >= 2048 else 2)
+    return o
