@@ -18,9 +18,12 @@ from typing import Any, Sequence
 
 from epserve.head.engine import Engine, EngineConfig
 from epserve.head.limits import RequestLimits
+from epserve.head.reasoning import REASONING_PARSERS, ThinkTags
 from epserve.head.speculative import SpeculativeConfig
 from epserve.head.scheduler import SchedulerConfig
 from epserve.models.config import CheckpointError, ModelConfig
+from epserve.models.sampling_rules import resolve_max_logprobs
+from epserve.worker.ep_results import max_logprobs_in_frame
 from epserve.worker.runner import RunnerConfig
 from epserve.worker.step_model import StepModel
 
@@ -61,9 +64,13 @@ class EngineArgs:
     max_stop_strings: int = RequestLimits.max_stop_strings
     max_stop_chars: int = RequestLimits.max_stop_chars
     max_stop_token_ids: int = RequestLimits.max_stop_token_ids
-    max_logprobs: int = RequestLimits.max_logprobs
+    max_logit_bias: int = RequestLimits.max_logit_bias
+    max_logprobs: int = RequestLimits.max_logprobs  # -1: the vocabulary size (vLLM's)
     # vLLM's shape: {"method": "ngram", "num_speculative_tokens": 4, ...} (head/speculative.py)
     speculative_config: dict | None = None
+    # vLLM's --reasoning-parser: the thinking tags the engine bans once a row closed its
+    # thinking, and after which a structured output's grammar holds (head/reasoning.py)
+    reasoning_parser: str | None = None
 
     def __post_init__(self) -> None:
         for name in ("block_size", "max_num_seqs", "max_num_batched_tokens", "ep_size"):
@@ -91,7 +98,14 @@ class EngineArgs:
             v = getattr(self, name)
             if v is not None and (isinstance(v, bool) or not isinstance(v, int) or v < 1):
                 raise ValueError(f"{name} must be a positive integer or None, got {v!r}")
-        self.request_limits()  # its ValueError names the option
+        k = self.max_logprobs
+        if isinstance(k, bool) or not isinstance(k, int) or k < -1:
+            raise ValueError(f"max_logprobs must be an integer >= -1 (-1: the vocabulary "
+                             f"size), got {k!r}")
+        self.request_limits(vocab_size=0)  # its ValueError names the option
+        if self.reasoning_parser is not None and self.reasoning_parser not in REASONING_PARSERS:
+            raise ValueError(f"reasoning_parser must be one of {list(REASONING_PARSERS)} or "
+                             f"None, got {self.reasoning_parser!r}")
         t = self.long_prefill_token_threshold
         if isinstance(t, bool) or not isinstance(t, int) or t < 0:
             raise ValueError(f"long_prefill_token_threshold must be an int >= 0 (0 = no cap), "
@@ -114,11 +128,17 @@ class EngineArgs:
             raise ValueError(f"tokenizer={str(self.tokenizer)!r}: no tokenizer.json, "
                              f"tokenizer_config.json or tokenizer.model in that folder")
 
-    def request_limits(self) -> RequestLimits:
+    def request_limits(self, vocab_size: int | None = None) -> RequestLimits:
+        """The per-request limits, ``max_logprobs`` -1 resolved to ``vocab_size`` (which
+        only that needs)."""
+        if self.max_logprobs == -1 and vocab_size is None:
+            raise ValueError("max_logprobs=-1 is the vocabulary size: pass vocab_size")
         return RequestLimits(max_n=self.max_n, max_stop_strings=self.max_stop_strings,
                              max_stop_chars=self.max_stop_chars,
                              max_stop_token_ids=self.max_stop_token_ids,
-                             max_logprobs=self.max_logprobs)
+                             max_logit_bias=self.max_logit_bias,
+                             max_logprobs=resolve_max_logprobs(self.max_logprobs,
+                                                               vocab_size or 0))
 
     def resolved(self) -> "EngineArgs":
         """The same args with ``model`` a local folder: the demo model (built when ``model`` is
@@ -155,7 +175,8 @@ class EngineArgs:
             enable_prefix_caching=self.enable_prefix_caching, load_format=self.load_format,
             seed=self.seed, gpu_memory_utilization=float(self.gpu_memory_utilization),
             enforce_eager=bool(self.enforce_eager),
-            warmup_tokens=self.max_num_batched_tokens, decode_lookahead=self.decode_lookahead)
+            warmup_tokens=self.max_num_batched_tokens, decode_lookahead=self.decode_lookahead,
+            max_logprobs=self.max_logprobs)
 
 
 def _check_device_name(device: Any) -> None:
@@ -205,6 +226,14 @@ def check_model_path(path: str) -> None:
     ModelConfig.from_pretrained(path)  # config.json present, architecture supported
 
 
+def check_reasoning_parser(args: EngineArgs) -> None:
+    """``ValueError`` naming ``reasoning_parser`` when the resolved ``args``' tokenizer lacks
+    its thinking tags (checked before any actor starts: the engine refuses them as well)."""
+    if args.reasoning_parser is not None:
+        ThinkTags.of(args.reasoning_parser, load_tokenizer(args.model, args.tokenizer),
+                     ModelConfig.from_pretrained(args.model).vocab_size)
+
+
 class NoTokenizer:
     """Stands in where a checkpoint ships no tokenizer: token ids in, empty text out."""
 
@@ -247,6 +276,9 @@ def build_engine(args: EngineArgs, runner: Any = None) -> tuple[Engine, Any, Any
         runner = StepModel.one_rank(args.runner_config())
     tok = load_tokenizer(args.model, args.tokenizer)
     mc = runner.model_config
+    limits = args.request_limits(mc.vocab_size)
+    check_logprobs_fit(args, limits.max_logprobs)
+    tags = ThinkTags.of(args.reasoning_parser, tok, mc.vocab_size)
     spec = SpeculativeConfig.from_dict(args.speculative_config)
     draft = build_draft(args, spec, runner) if spec is not None and spec.model else None
     engine = Engine(runner, tok or NoTokenizer(), EngineConfig(
@@ -256,8 +288,21 @@ def build_engine(args: EngineArgs, runner: Any = None) -> tuple[Engine, Any, Any
             max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
             long_prefill_token_threshold=args.long_prefill_token_threshold,
             enable_prefix_caching=args.enable_prefix_caching),
-        limits=args.request_limits(), speculative=spec), draft)
+        limits=limits, speculative=spec, think_tags=tags), draft)
     return engine, runner, tok
+
+
+def check_logprobs_fit(args: EngineArgs, k: int) -> None:
+    """``ValueError`` naming ``max_logprobs`` when, under EP, ``k`` alternatives for every
+    token of a full step (``max_num_batched_tokens``) would not fit one rank's result frame
+    (``MAX_FRAME_BYTES``); one rank hands its results over as objects, unbounded."""
+    most = max_logprobs_in_frame(args.max_num_batched_tokens)
+    if args.ep_size > 1 and k > most:
+        raise ValueError(f"max_logprobs={args.max_logprobs} ({k} alternatives per token) "
+                         f"exceeds {most}, the most an expert-parallel rank's result frame "
+                         f"carries per token when a step holds max_num_batched_tokens="
+                         f"{args.max_num_batched_tokens} tokens; lower max_logprobs or "
+                         f"max_num_batched_tokens")
 
 
 def build_draft(args: EngineArgs, spec: SpeculativeConfig, target: Any) -> StepModel:

@@ -125,7 +125,8 @@ class HeadActor:
             "max_model_len": self.runner.max_model_len,
             "vocab_size": self.runner.model_config.vocab_size,
             "ep_size": self.args.ep_size,
-            "limits": dataclasses.asdict(self.args.request_limits()),
+            "limits": dataclasses.asdict(self.args.request_limits(
+                self.runner.model_config.vocab_size)),  # max_logprobs -1 resolved
             "cache_config": {  # vllm:cache_config_info's labels
                 "block_size": str(self.args.block_size),
                 "num_gpu_blocks": str(self.runner.num_total_blocks()),

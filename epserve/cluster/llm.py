@@ -41,10 +41,13 @@ class LLM:
     each decode step's likely successor on the GPU before the host has read its tokens (None:
     on wherever decode CUDA graphs are; True also on CPU, where it only exercises the logic).
     ``max_n``, ``max_stop_strings``, ``max_stop_chars``, ``max_stop_token_ids``,
-    ``max_logprobs``: per-request limits (``head.limits.RequestLimits``); a request over one is
-    refused with a ``ValueError`` naming the field. ``speculative_config``: speculative
-    decoding in vLLM's shape, e.g. ``{"method": "ngram", "num_speculative_tokens": 4,
-    "prompt_lookup_max": 4, "prompt_lookup_min": 2}`` (``head.speculative``).
+    ``max_logit_bias``, ``max_logprobs``: per-request limits (``head.limits.RequestLimits``;
+    ``max_logprobs`` -1 is the vocabulary size, as vLLM's); a request over one is refused with
+    a ``ValueError`` naming the field. ``speculative_config``: speculative decoding in vLLM's
+    shape, e.g. ``{"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 4,
+    "prompt_lookup_min": 2}`` (``head.speculative``). ``reasoning_parser`` (``qwen3``,
+    ``deepseek_r1``; vLLM's): a row that generated ``</think>`` never samples either thinking
+    tag again, and a structured output holds once the reasoning ended (``head.reasoning``).
     """
 
     def __init__(self, model: str | os.PathLike | None = None, *, tokenizer: str | None = None,
@@ -57,8 +60,9 @@ class LLM:
                  gpu_memory_utilization: float = 0.9,
                  enforce_eager: bool = False, decode_lookahead: bool | None = None,
                  max_n: int = 128, max_stop_strings: int = 256, max_stop_chars: int = 8192,
-                 max_stop_token_ids: int = 4096, max_logprobs: int = 20,
-                 speculative_config: dict | None = None):
+                 max_stop_token_ids: int = 4096, max_logit_bias: int = 1024,
+                 max_logprobs: int = 20, speculative_config: dict | None = None,
+                 reasoning_parser: str | None = None):
         args = EngineArgs(
             model=None if model is None else str(model), tokenizer=tokenizer, dtype=dtype,
             device=device, max_model_len=max_model_len, block_size=block_size,
@@ -70,7 +74,8 @@ class LLM:
             gpu_memory_utilization=gpu_memory_utilization, enforce_eager=enforce_eager,
             decode_lookahead=decode_lookahead, max_n=max_n, max_stop_strings=max_stop_strings,
             max_stop_chars=max_stop_chars, max_stop_token_ids=max_stop_token_ids,
-            max_logprobs=max_logprobs, speculative_config=speculative_config)
+            max_logit_bias=max_logit_bias, max_logprobs=max_logprobs,
+            speculative_config=speculative_config, reasoning_parser=reasoning_parser)
         args = args.resolved()  # the demo model built, a hub id fetched (or found cached)
         args.check_on_this_machine()  # device present, model and tokenizer folders
         self.args = args

@@ -100,7 +100,12 @@ def _parser() -> argparse.ArgumentParser:
                         "Qwen2.5, Qwen3, Hermes) (default: none)")
     s.add_argument("--reasoning-parser", default=None, choices=list(REASONING_PARSERS),
                    help="separate <think>...</think> into the chat message's "
-                        "reasoning_content: qwen3 or deepseek_r1 (default: none)")
+                        "reasoning_content: qwen3 or deepseek_r1; the engine then never "
+                        "reopens a closed thinking block and holds structured output until "
+                        "the thinking ends (default: none)")
+    s.add_argument("--return-tokens-as-token-ids", action="store_true",
+                   help="every logprobs token string is 'token_id:N' (a request's own "
+                        "return_tokens_as_token_ids overrides it); as vLLM's flag")
     return ap
 
 

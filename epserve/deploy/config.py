@@ -39,15 +39,17 @@ class AppConfig:
     head_name: str = HEAD_NAME
     num_replicas: int = 1
     max_ongoing_requests: int = 1024
-    # the chat output's parsers, as vLLM's serve flags of the same names
+    # the chat output's parsers, as vLLM's serve flags of the same names (the reasoning
+    # parser is the engine's option: EngineArgs.reasoning_parser)
     enable_auto_tool_choice: bool = False
     tool_call_parser: str | None = None
-    reasoning_parser: str | None = None
+    # vLLM's --return-tokens-as-token-ids: logprob token strings as "token_id:N" by default
+    return_tokens_as_token_ids: bool = False
 
     def __post_init__(self) -> None:
-        if not isinstance(self.enable_auto_tool_choice, bool):
-            raise ValueError(f"enable_auto_tool_choice must be true or false, got "
-                             f"{self.enable_auto_tool_choice!r}")
+        for name in ("enable_auto_tool_choice", "return_tokens_as_token_ids"):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"{name} must be true or false, got {getattr(self, name)!r}")
         self.chat_parsing()  # an unknown parser, or auto tool choice without one: refused
         for name in ("max_body_bytes", "num_replicas", "max_ongoing_requests"):
             v = getattr(self, name)
@@ -83,7 +85,7 @@ class AppConfig:
     def chat_parsing(self) -> ChatParsing:
         """The tool-call and reasoning parsers of the chat output."""
         return ChatParsing(self.enable_auto_tool_choice, self.tool_call_parser,
-                           self.reasoning_parser)
+                           self.engine.reasoning_parser)
 
     def engine_args(self) -> EngineArgs:
         """The engine's args with the served name filled in (the head reports it)."""

@@ -85,8 +85,11 @@ def add_limit_flags(p: argparse.ArgumentParser) -> None:
                    help="most characters of all a request's stop strings together")
     g.add_argument("--max-stop-token-ids", type=int, default=d.max_stop_token_ids,
                    help="most stop_token_ids per request")
+    g.add_argument("--max-logit-bias", type=int, default=d.max_logit_bias,
+                   help="most logit_bias entries per request")
     g.add_argument("--max-logprobs", type=int, default=d.max_logprobs,
-                   help="most logprobs / prompt_logprobs alternatives per token (<= 20)")
+                   help="most logprobs / prompt_logprobs alternatives per token; -1: the "
+                        "vocabulary size (as vLLM's flag)")
 
 
 def engine_options(args: argparse.Namespace) -> dict:
@@ -103,4 +106,5 @@ def engine_options(args: argparse.Namespace) -> dict:
         gpu_memory_utilization=args.gpu_memory_utilization,
         enforce_eager=getattr(args, "enforce_eager", False),
         decode_lookahead=False if getattr(args, "no_decode_lookahead", False) else None,
-        speculative_config=getattr(args, "speculative_config", None))
+        speculative_config=getattr(args, "speculative_config", None),
+        reasoning_parser=getattr(args, "reasoning_parser", None))

@@ -13,7 +13,8 @@ serves them: the output is constrained so that it always parses and names a real
 Invariants: a forced choice needs no serve flags (vLLM asks ``--enable-auto-tool-choice`` for
 ``auto`` only); its constraint is checked here, before anything is queued, by the one
 definition of a valid constraint (``StructuredOutputsParams``): a tool schema that cannot be
-one is a 400 naming the tool. A named function not among ``tools``, ``required`` with no
+one is a 400 naming the tool; it holds from the first token (``enable_in_reasoning``), a
+reasoning model's thinking block included. A named function not among ``tools``, ``required`` with no
 tools, two tools defining one ``$defs`` name differently, or a forced choice together with
 the request's own ``response_format`` / ``structured_outputs`` (each is a constraint on the
 whole output) is a 400 that names them. ``ForcedToolStream`` sends a call's id, type and name
@@ -75,15 +76,22 @@ def forced_choice(req: Any, choice: Any, parallel: bool) -> ForcedChoice | None:
         if not tools:
             raise bad_request("tool_choice 'required' needs at least one tool in tools",
                               param="tools")
-        return ForcedChoice(None, _checked_calls(tools, parallel))
+        return ForcedChoice(None, _whole_output(_checked_calls(tools, parallel)))
     name = choice.function.name
     for k, tool in enumerate(tools):
         if tool.function.name == name:
-            return ForcedChoice(name, _checked(_parameters(tool), f"tools.{k}.function."
-                                                                  f"parameters"))
+            return ForcedChoice(name, _whole_output(
+                _checked(_parameters(tool), f"tools.{k}.function.parameters")))
     names = ", ".join(repr(t.function.name) for t in tools) or "none"
     raise bad_request(f"tool_choice names the function {name!r}, which is not among tools "
                       f"(they are: {names})", param="tool_choice")
+
+
+def _whole_output(constraint: dict[str, Any]) -> dict[str, Any]:
+    """The constraint on the whole output, a reasoning model's thinking block included (the
+    call is all the output; an engine with a reasoning parser would else hold it back until
+    ``</think>``)."""
+    return {**constraint, "enable_in_reasoning": True}
 
 
 def _parameters(tool: Any) -> dict[str, Any]:

@@ -12,6 +12,7 @@ reaches the client as the same 400 naming the field, so the edge keeps no copy o
 from __future__ import annotations
 
 import json
+import re
 from typing import Any, Literal, Union
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
@@ -30,6 +31,7 @@ INT32 = 2**31 - 1
 _STRICT = ConfigDict(strict=True, extra="forbid")
 
 TokenIds = list[int]
+_TOKEN_KEY = re.compile(r"\s*[-+]?\d{1,19}\s*")  # what int() reads, bounded
 
 
 class StreamOptions(BaseModel):
@@ -65,10 +67,11 @@ class _SamplingRequest(BaseModel):
     use_beam_search: bool = False
     return_tokens_as_token_ids: bool | None = None
     truncate_prompt_tokens: int | None = Field(None, ge=-1, le=INT32)
-    # Accepted at their neutral values only: the engine has no penalties or biases yet.
+    # Accepted at their neutral values only: the engine has no penalties yet.
     presence_penalty: float | None = None
     frequency_penalty: float | None = None
     repetition_penalty: float | None = None
+    # token id (a JSON key: a string) -> bias, clamped to [-100, 100] (SamplingParams)
     logit_bias: dict[str, float] | None = None
     structured_outputs: StructuredOutputs | None = None  # vLLM's field (deploy.structured_output)
 
@@ -82,8 +85,6 @@ class _SamplingRequest(BaseModel):
             if v is not None and v != neutral:
                 raise bad_request(f"{name} is not supported by this server (only {neutral})",
                                   param=name)
-        if self.logit_bias:
-            raise bad_request("logit_bias is not supported by this server", param="logit_bias")
         if self.use_beam_search:
             raise bad_request("beam search is not supported by this server",
                               param="use_beam_search")
@@ -331,6 +332,8 @@ def sampling_kwargs(req: _SamplingRequest, *, max_tokens: int | None, logprobs: 
             kw[name] = v
     if isinstance(kw["stop"], list):
         kw["stop"] = list(kw["stop"])
+    if req.logit_bias:
+        kw["logit_bias"] = _bias_by_id(req.logit_bias)
     # a 400 naming the field when invalid
     structured = constraint if constraint is not None else structured_fields(req)
     if structured is not None:
@@ -340,6 +343,17 @@ def sampling_kwargs(req: _SamplingRequest, *, max_tokens: int | None, logprobs: 
     except ValueError as exc:
         raise from_value_error(exc) from None
     return kw
+
+
+def _bias_by_id(bias: dict[str, float]) -> dict[int, float]:
+    """``logit_bias`` with its keys as token ids (vLLM's: a key must read as an integer)."""
+    out = {}
+    for key, value in bias.items():
+        if not _TOKEN_KEY.fullmatch(key):
+            raise bad_request(f"logit_bias: found token id {key[:40]!r}, but a token id must "
+                              f"be an integer or a string representing one", param="logit_bias")
+        out[int(key)] = value
+    return out
 
 
 __all__ = ["ChatCompletionRequest", "ChatMessage", "CompletionRequest", "DetokenizeRequest",

@@ -18,10 +18,8 @@ Rules (vLLM's ``qwen3``, decided from the prompt and the output alone):
 
 from __future__ import annotations
 
-THINK_START, THINK_END = "<think>", "</think>"
-
-#: vLLM's names for the parsers this server has.
-REASONING_PARSERS = ("qwen3", "deepseek_r1")
+# the names and tags are the engine's too (it bans closed tags, holds grammars until the end)
+from epserve.head.reasoning import REASONING_PARSERS, THINK_END, THINK_START
 
 
 def held_suffix(text: str, tag: str) -> int:

@@ -155,3 +155,13 @@ def chat_delta(index: int, delta: dict[str, Any], logprobs: dict | None = None,
                ) -> dict[str, Any]:
     return {"index": index, "delta": delta, "logprobs": logprobs,
             "finish_reason": finish_reason, "stop_reason": stop_reason}
+
+
+def with_ids(choice: dict[str, Any], req: Any, token_ids: Sequence[int],
+             prompt_ids: Sequence[int], with_prompt: bool = True) -> dict[str, Any]:
+    """vLLM's ``return_token_ids``: the choice's (new) token ids, and the prompt's once."""
+    if req.return_token_ids:
+        choice["token_ids"] = list(token_ids)
+        if with_prompt:
+            choice["prompt_token_ids"] = list(prompt_ids)
+    return choice

@@ -29,7 +29,8 @@ def config_from_args(args: argparse.Namespace) -> AppConfig:
     """The app config the ``serve`` subcommand's options describe."""
     # per-request limits: the flags when given, else EngineArgs's defaults
     limits = {k: getattr(args, k) for k in ("max_n", "max_stop_strings", "max_stop_chars",
-                                            "max_stop_token_ids", "max_logprobs")
+                                            "max_stop_token_ids", "max_logit_bias",
+                                            "max_logprobs")
               if getattr(args, k, None) is not None}
     engine = EngineArgs(**engine_options(args),
                         served_model_name=getattr(args, "served_model_name", None), **limits)
@@ -42,7 +43,8 @@ def config_from_args(args: argparse.Namespace) -> AppConfig:
                      num_replicas=getattr(args, "api_server_count", 1),
                      enable_auto_tool_choice=getattr(args, "enable_auto_tool_choice", False),
                      tool_call_parser=getattr(args, "tool_call_parser", None),
-                     reasoning_parser=getattr(args, "reasoning_parser", None))
+                     return_tokens_as_token_ids=getattr(args, "return_tokens_as_token_ids",
+                                                        False))
 
 
 def _given(args: argparse.Namespace, name: str, default: Any) -> Any:
@@ -89,12 +91,14 @@ def serve_main(args: argparse.Namespace) -> int:
     from ray import serve
 
     from epserve.cluster.bringup import init_ray, start_head, stop_head
-    from epserve.cluster.engine_args import check_model_path
+    from epserve.cluster.engine_args import check_model_path, check_reasoning_parser
     from epserve.deploy.app import build_app
     from epserve.deploy.proxy_edge import serve_start
 
     cfg = config_from_args(args)
-    check_model_path(cfg.engine_args().resolved().model)  # one clear line before Ray starts
+    resolved = cfg.engine_args().resolved()
+    check_model_path(resolved.model)  # one clear line before Ray starts
+    check_reasoning_parser(resolved)  # the thinking tags, likewise
     joined = bool(os.environ.get("RAY_ADDRESS")) or ray.is_initialized()
     if not joined:
         _check_port_free(args.host, args.port)

@@ -52,12 +52,15 @@ class ModelInfo:
 
 class OpenAIServing:
     def __init__(self, client: EngineClient, tokenizer: Any, info: ModelInfo,
-                 metrics: ServerMetrics, parsing: ChatParsing = ChatParsing()):
+                 metrics: ServerMetrics, parsing: ChatParsing = ChatParsing(),
+                 tokens_as_ids: bool = False):
+        """``tokens_as_ids``: ``--return-tokens-as-token-ids``, a request's own field aside."""
         self.client = client
         self.tokenizer = tokenizer
         self.info = info
         self.metrics = metrics
         self.parsing = parsing  # the tool-call and reasoning parsers (serve flags)
+        self.tokens_as_ids = tokens_as_ids
 
     # ------------------------------------------------------------------ shared checks
 
@@ -176,8 +179,12 @@ class OpenAIServing:
         if req.echo and first:
             plps = out.prompt_logprobs or [None] * len(prompt.ids)
             ids, lps = prompt.ids + ids, list(plps) + lps
-        return R.completion_logprobs(ids, lps, offset, self._decode_one,
-                                     bool(req.return_tokens_as_token_ids))
+        return R.completion_logprobs(ids, lps, offset, self._decode_one, self._as_ids(req))
+
+    def _as_ids(self, req: Any) -> bool:
+        """Logprob tokens as ``token_id:N``: the request's field, else the server's flag."""
+        own = req.return_tokens_as_token_ids
+        return self.tokens_as_ids if own is None else own
 
     def _prompt_text(self, p: Prompt) -> str:
         return p.text if p.text is not None else self._decode(p.ids)
@@ -193,7 +200,7 @@ class OpenAIServing:
                 lps = self._echo_logprobs(req, p, out, c.token_ids, c.logprobs or [], True, 0)
                 choice = R.completion_choice(i * req.n + c.index, prefix + c.text, lps,
                                              c.finish_reason, c.stop_reason, plps)
-                choices.append(_with_ids(choice, req, c.token_ids, p.ids))
+                choices.append(R.with_ids(choice, req, c.token_ids, p.ids))
                 n_gen += len(c.token_ids)
         n_prompt = sum(len(p.ids) for p in prompts)
         return head.body(choices=choices, usage=R.usage(
@@ -217,7 +224,7 @@ class OpenAIServing:
             plps = R.prompt_logprobs_json(out.prompt_logprobs) \
                 if (d.first and req.prompt_logprobs is not None) else None
             choice = R.completion_choice(d.index, text, lps, d.finish_reason, d.stop_reason, plps)
-            return head.body(choices=[_with_ids(choice, req, d.token_ids, p.ids, d.first)],
+            return head.body(choices=[R.with_ids(choice, req, d.token_ids, p.ids, d.first)],
                              **extra)
 
         return self._sse(fan, tracker, req, chunk, head, want_lp=req.logprobs is not None)
@@ -289,7 +296,7 @@ class OpenAIServing:
             choice = R.chat_choice(c.index, p.message(c.text, echo),
                                    self._chat_lps(req, c.token_ids, c.logprobs),
                                    p.finish_reason(c.finish_reason), c.stop_reason)
-            choices.append(_with_ids(choice, req, c.token_ids, prompt.ids, with_prompt=False))
+            choices.append(R.with_ids(choice, req, c.token_ids, prompt.ids, with_prompt=False))
         body = head.body(choices=choices, usage=R.usage(
             len(prompt.ids), sum(len(c.token_ids) for c in out.outputs), out.num_cached_tokens),
             system_fingerprint=None,
@@ -306,12 +313,10 @@ class OpenAIServing:
             return last.to_template()["content"]
         return ""
 
-    @staticmethod
-    def _chat_lps(req: ChatCompletionRequest, ids: Sequence[int], lps: Any) -> dict | None:
+    def _chat_lps(self, req: ChatCompletionRequest, ids: Sequence[int], lps: Any) -> dict | None:
         if not req.logprobs:
             return None
-        return R.chat_logprobs(ids, lps or [], req.top_logprobs or 0,
-                               bool(req.return_tokens_as_token_ids))
+        return R.chat_logprobs(ids, lps or [], req.top_logprobs or 0, self._as_ids(req))
 
     def _chat_stream(self, req: ChatCompletionRequest, head: R.Head, fan: Fanout, echo: str,
                      prompt_ids: list[int], plan: ToolPlan,
@@ -341,7 +346,7 @@ class OpenAIServing:
             lps = self._chat_lps(req, d.token_ids, d.logprobs)
             choice = R.chat_delta(d.index, delta, lps, p.finish_reason(d.finish_reason),
                                   d.stop_reason)
-            return head.body(choices=[_with_ids(choice, req, d.token_ids, prompt_ids, False)],
+            return head.body(choices=[R.with_ids(choice, req, d.token_ids, prompt_ids, False)],
                              **extra)
 
         return self._sse(fan, tracker, req, chunk, head, want_lp=bool(req.logprobs),
@@ -388,12 +393,3 @@ class OpenAIServing:
         except Exception as exc:  # ids the model has but its tokenizer does not
             raise bad_request(f"tokens: cannot decode them: {exc}", param="tokens") from None
 
-
-def _with_ids(choice: dict[str, Any], req: Any, token_ids: Sequence[int],
-              prompt_ids: Sequence[int], with_prompt: bool = True) -> dict[str, Any]:
-    """vLLM's ``return_token_ids``: the choice's (new) token ids, and the prompt's once."""
-    if req.return_token_ids:
-        choice["token_ids"] = list(token_ids)
-        if with_prompt:
-            choice["prompt_token_ids"] = list(prompt_ids)
-    return choice

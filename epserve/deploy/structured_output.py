@@ -39,11 +39,13 @@ class ResponseFormat(BaseModel):
 
 
 # vLLM's ``structured_outputs`` request field: ``StructuredOutputsParams``'s own fields (``json``
-# under another attribute name: a pydantic model has a ``json`` method)
+# under another attribute name: a pydantic model has a ``json`` method) but the server's own
+# ``enable_in_reasoning`` (vLLM's request has no such field: a 400 names it)
 StructuredOutputs = create_model(
     "StructuredOutputs", __config__=_STRICT,
     **{(f.name + "_" if f.name == "json" else f.name): (
-        _HINTS[f.name], Field(f.default, alias=f.name)) for f in fields(StructuredOutputsParams)})
+        _HINTS[f.name], Field(f.default, alias=f.name)) for f in fields(StructuredOutputsParams)
+       if f.name != "enable_in_reasoning"})
 
 
 def _set_fields(so: BaseModel) -> dict[str, Any]:

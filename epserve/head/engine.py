@@ -25,6 +25,7 @@ from epserve.head.limits import RequestLimits
 from epserve.head.output_builder import build_output
 from epserve.head.request_timing import EngineTimings
 from epserve.head.outputs import RequestOutput
+from epserve.head.reasoning import ThinkTags
 from epserve.head.sampling_params import SamplingParams
 from epserve.head.scheduler import Scheduler, SchedulerConfig, StepPlan
 from epserve.head.sequence import Request, SeqStatus, Sequence
@@ -49,6 +50,7 @@ class EngineConfig:
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
     limits: RequestLimits = RequestLimits()
     speculative: SpeculativeConfig | None = None
+    think_tags: ThinkTags | None = None  # a reasoning model's (head.reasoning)
 
 
 @dataclass
@@ -128,10 +130,13 @@ class Engine:
                 include_stop_str_in_output=params.include_stop_str_in_output,
                 automaton=automaton)
             detok = IncrementalDetokenizer(self.tokenizer, ids, params.skip_special_tokens)
-            seq = Sequence(req, i, seed, stops, detok)
+            seq = Sequence(req, i, seed, stops, detok, think_tags=self.cfg.think_tags)
             if compiled is not None:
                 seq.grammar = self.grammars.matcher(compiled)
-                if not seq.grammar.fill(stops.banned_ids(0)):
+                # vLLM's: the grammar holds once the reasoning ended (maybe in the prompt)
+                seq.grammar_waits = (seq.think_tags is not None and not so.enable_in_reasoning
+                                     and not seq.think_tags.ended(ids))
+                if not seq.grammar.fill(seq.banned_now()):
                     raise ValueError(f"SamplingParams.structured_outputs.{so.kind}: no token of "
                                      f"this model's vocabulary can start the output")
             req.seqs.append(seq)
@@ -159,6 +164,9 @@ class Engine:
         bad = token_ids_problem(params.stop_token_ids or (), self.cfg.vocab_size)
         if bad is not None:
             raise ValueError(f"SamplingParams.stop_token_ids: {bad}")
+        bad = token_ids_problem(params.logit_bias or (), self.cfg.vocab_size)
+        if bad is not None:
+            raise ValueError(f"SamplingParams.logit_bias: {bad}")
         if params.structured_outputs is not None:  # compiled here, off the engine thread
             self.grammars.compile(params.structured_outputs)
         return ids
@@ -283,7 +291,7 @@ class Engine:
     def _append(self, seq: Sequence, tok: SampledToken, touched: dict[str, Request]) -> None:
         if seq.finished:
             return
-        g = seq.grammar
+        g = None if seq.grammar_waits else seq.grammar
         if g is not None and not g.accept(tok.token_id):  # the mask allowed it: never expected
             self._fail_seq(seq, f"structured output: the grammar refused token {tok.token_id}",
                            touched)
@@ -307,7 +315,12 @@ class Engine:
         if reason is None and g is not None and g.terminated:  # its stop token, ignore_eos
             reason, text = "stop", text[:before]
         seq.text = text
-        if reason is None and g is not None and not g.fill(seq.stops.banned_ids(n)):
+        if seq.think_tags is not None and tok.token_id == seq.think_tags.end:
+            # thinking closed for good; a grammar that waited for the reasoning to end holds
+            # from the next token (the tag itself is not fed to it, as vLLM's)
+            seq.close_thinking()
+            seq.grammar_waits, g = False, seq.grammar
+        if reason is None and g is not None and not g.fill(seq.banned_now()):
             self._fail_seq(seq, "structured output: the grammar allows no token this request "
                            "may sample next", touched)
             return

@@ -2,7 +2,8 @@
 
 Invariants: an instance that exists is valid (``__post_init__`` raises ``ValueError`` naming
 the field and the bad value otherwise); ``stop`` is a tuple of non-empty strings and
-``stop_token_ids`` a tuple of ints >= 0; ``top_k`` -1 is accepted and means off, like 0.
+``stop_token_ids`` a tuple of ints >= 0; ``top_k`` -1 is accepted and means off, like 0;
+``logit_bias`` is None or a dict of ids rising to biases clamped to [-100, 100].
 Pure Python, no torch.
 """
 
@@ -13,7 +14,8 @@ from dataclasses import dataclass
 from typing import Any, Sequence
 
 from epserve.head.structured_params import StructuredOutputsParams, as_structured
-from epserve.models.sampling_rules import MAX_LOGPROBS, value_problem
+# MAX_LOGPROBS: re-exported (the default bound of the engine's max_logprobs)
+from epserve.models.sampling_rules import MAX_LOGIT_BIAS, MAX_LOGPROBS, value_problem  # noqa: F401
 from epserve.models.traits import RowSampling
 
 #: The largest ``top_k`` that travels; a larger one keeps every token all the same.
@@ -84,6 +86,21 @@ def _normalise_stop_token_ids(ids: Any) -> tuple[int, ...]:
     return tuple(dict.fromkeys(sorted(ids) if isinstance(ids, (set, frozenset)) else ids))
 
 
+def _normalise_logit_bias(bias: Any) -> dict[int, float] | None:
+    """``{token id: bias}`` with ids rising and each bias clamped to +-``MAX_LOGIT_BIAS`` (as
+    vLLM's OpenAI server clamps them); None or an empty dict is no bias."""
+    if bias is None:
+        return None
+    if not isinstance(bias, dict):
+        raise _bad("logit_bias", bias, "must be a dict of token id -> bias or None")
+    for t, b in bias.items():
+        if not _is_int(t) or t < 0 or not _is_real(b) or not math.isfinite(b):
+            raise ValueError(f"SamplingParams.logit_bias must map token ids (ints >= 0) to "
+                             f"finite numbers ({t!r}: {b!r} does not), got {bias!r:.200}")
+    return {t: float(min(MAX_LOGIT_BIAS, max(-MAX_LOGIT_BIAS, bias[t])))
+            for t in sorted(bias)} or None
+
+
 @dataclass(frozen=True, slots=True, kw_only=True)
 class SamplingParams:
     """How to sample one request's completions (the vLLM keyword constructor and defaults).
@@ -92,9 +109,12 @@ class SamplingParams:
     ``seed``: None lets the engine pick one per request. ``max_tokens`` None: up to the
     context limit (the engine resolves it). ``min_tokens``: EOS and ``stop_token_ids`` are
     banned until that many tokens exist. ``logprobs`` / ``prompt_logprobs``: alternatives per
-    token (0 returns only the chosen/prompt token's logprob), at most ``MAX_LOGPROBS``.
-    ``structured_outputs``: what the output must match (``StructuredOutputsParams``, or its
-    fields as a dict); it ends with finish reason "stop" when the grammar is complete.
+    token (0 returns only the chosen/prompt token's logprob), at most the engine's
+    ``max_logprobs``. ``structured_outputs``: what the output must match
+    (``StructuredOutputsParams``, or its fields as a dict); it ends with finish reason "stop"
+    when the grammar is complete. ``logit_bias``: ``{token id: bias}`` added to the logits
+    before sampling (the logprobs stay raw), each bias clamped to [-100, 100]; an id outside
+    the model's vocabulary is refused by the engine.
     """
 
     n: int = 1
@@ -113,6 +133,7 @@ class SamplingParams:
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
     structured_outputs: StructuredOutputsParams | None = None
+    logit_bias: dict[int, float] | None = None
 
     def __post_init__(self) -> None:
         _check_int("n", self.n, 1)
@@ -127,7 +148,7 @@ class SamplingParams:
         # The rule every EP rank applies to the row this request becomes (models.sampling_rules):
         # checked here too, so nothing a rank would refuse gets past the edge.
         found = value_problem(self.temperature, self.top_p, max(self.top_k, 0), self.min_p, 0,
-                              self.logprobs if _is_int(self.logprobs) else None)
+                              self.logprobs if _is_int(self.logprobs) else None, None)
         if found is not None:
             raise ValueError(f"SamplingParams.{found[0]} {found[1]}")
         _check_int("max_tokens", self.max_tokens, 1, optional=True)
@@ -136,12 +157,14 @@ class SamplingParams:
             raise _bad("min_tokens", self.min_tokens, f"must be <= max_tokens ({self.max_tokens})")
         for name in ("ignore_eos", "skip_special_tokens", "include_stop_str_in_output"):
             _check_bool(name, getattr(self, name))
-        _check_int("logprobs", self.logprobs, 0, MAX_LOGPROBS, optional=True)
-        _check_int("prompt_logprobs", self.prompt_logprobs, 0, MAX_LOGPROBS, optional=True)
+        # the engine bounds both by its max_logprobs (head.limits)
+        _check_int("logprobs", self.logprobs, 0, optional=True)
+        _check_int("prompt_logprobs", self.prompt_logprobs, 0, optional=True)
         # Frozen: normalised values go in through object.__setattr__, once, here.
         object.__setattr__(self, "stop", _normalise_stop(self.stop))
         object.__setattr__(self, "stop_token_ids", _normalise_stop_token_ids(self.stop_token_ids))
         object.__setattr__(self, "structured_outputs", as_structured(self.structured_outputs))
+        object.__setattr__(self, "logit_bias", _normalise_logit_bias(self.logit_bias))
 
     @property
     def is_greedy(self) -> bool:
@@ -161,4 +184,5 @@ class SamplingParams:
             seed=seed,
             banned_token_ids=tuple(banned),
             logprobs=self.logprobs,
+            logit_bias=tuple(self.logit_bias.items()) if self.logit_bias else (),
         )

@@ -185,7 +185,7 @@ class Scheduler:
         got = self.proposer.propose_batch(plan.decode, plan.draft_caps)
         plan.proposed, unused = True, 0
         for seq, cap, d in zip(plan.decode, plan.draft_caps, got):
-            d = tuple(d[:cap])
+            d = _before_think_end(seq, tuple(d[:cap]))
             if d and not self.model.reserve_blocks(seq.state, seq.state.seq_len + 1 + len(d)):
                 d = ()
             plan.drafts.append(d)
@@ -304,3 +304,13 @@ class Scheduler:
             self._admissions += 1
             self.running.append(seq)
             budget -= self._plan_row(seq, n, plan, budget)
+
+
+def _before_think_end(seq: Sequence, drafts: tuple[int, ...]) -> tuple[int, ...]:
+    """``drafts`` up to (not including) a ``</think>`` while ``seq``'s thinking is open: the
+    row's bans change once it has that tag, and every position of a verify row samples under
+    one ``RowSampling``; so the tag may only be the run's last token (the target's own)."""
+    tags = seq.think_tags
+    if tags is None or seq.thinking_closed or tags.end not in drafts:
+        return drafts
+    return drafts[:drafts.index(tags.end)]

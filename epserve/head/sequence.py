@@ -29,7 +29,9 @@ class Sequence:
     """One of a request's ``n`` samples.
 
     Set by the engine at creation: ``request``, ``index``, ``seed``, ``stops``, ``detok``,
-    ``grammar`` (a structured output's matcher, advanced by the engine per token).
+    ``grammar`` (a structured output's matcher, advanced by the engine per token),
+    ``think_tags`` and ``grammar_waits`` (a reasoning model's; the engine clears
+    ``grammar_waits`` and sets ``thinking_closed`` when the row generates ``</think>``).
     Set by the scheduler: ``status``, ``state``, ``admitted_at``, ``draft_state`` (its
     proposer's history of this sequence). Set by the engine per step:
     ``output_ids``, ``sampled``, ``finish_reason``, ``stop_reason``. Set by
@@ -57,6 +59,13 @@ class Sequence:
     sent_finish: bool = False
     grammar: Any = None  # head.grammar.SeqGrammar of a constrained sequence
     draft_state: Any = None  # the speculative proposer's, per sequence (written by the scheduler)
+    # a reasoning model's (engine's --reasoning-parser): the thinking tags; whether this row
+    # generated "</think>" (both tags are banned from then on); whether its grammar waits for
+    # the reasoning to end (it neither masks nor advances until then)
+    think_tags: Any = None  # head.reasoning.ThinkTags
+    thinking_closed: bool = False
+    grammar_waits: bool = False
+    _resample: bool = False  # the row's bans changed outside min_tokens: ship them
 
     @property
     def prompt_ids(self) -> list[int]:
@@ -69,10 +78,24 @@ class Sequence:
     def all_tokens(self) -> list[int]:
         return self.request.prompt_ids + self.output_ids
 
+    def banned_now(self) -> tuple[int, ...]:
+        """The ids the row may not sample next: stop ids and EOS under ``min_tokens``, and
+        both thinking tags once its thinking closed."""
+        banned = self.stops.banned_ids(len(self.output_ids))
+        if not self.thinking_closed:
+            return banned
+        return tuple(sorted(set(banned).union(self.think_tags.ids)))
+
+    def close_thinking(self) -> None:
+        """The row generated ``</think>``: from its next token on, neither tag (one sampling
+        update to its rank, then nothing per step)."""
+        if not self.thinking_closed:
+            self.thinking_closed = self._resample = True
+
     def row_sampling(self) -> RowSampling:
-        """The row's sampling now (bans change once ``min_tokens`` are out)."""
-        return self.request.params.to_row_sampling(
-            self.seed, self.stops.banned_ids(len(self.output_ids)))
+        """The row's sampling now (bans change once ``min_tokens`` are out, and when its
+        thinking closes)."""
+        return self.request.params.to_row_sampling(self.seed, self.banned_now())
 
     def sync_state(self, admitted: bool = False) -> None:
         """Write the head's fields of ``state`` (the one writer of them): the row's sampling,
@@ -85,10 +108,11 @@ class Sequence:
             if self.request.wants_prompt_logprobs:
                 state.collect_prompt_logprobs = self.request.params.prompt_logprobs
             state.sampling = self.row_sampling()
-        elif self.request.params.min_tokens >= n:  # the bans may lift with this token
+        elif self.request.params.min_tokens >= n or self._resample:  # the bans changed
             state.sampling = self.row_sampling()
+        self._resample = False
         state.output_index = n
-        if self.grammar is not None:
+        if self.grammar is not None and not self.grammar_waits:
             state.token_mask = self.grammar.mask  # refilled in place after each token
         state.lookahead = n + 1 < self.request.max_tokens  # else the next one is the last
 

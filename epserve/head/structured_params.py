@@ -35,7 +35,10 @@ class StructuredOutputsParams:
     """One constraint on a request's output. ``json``: a JSON schema (dict or its JSON text);
     ``json_object``: any JSON object; ``regex``; ``choice``: one of these strings; ``grammar``:
     EBNF. ``disable_any_whitespace``: JSON without free whitespace between tokens.
-    ``disable_fallback``: accepted either way (this engine never falls back)."""
+    ``disable_fallback``: accepted either way (this engine never falls back).
+    ``enable_in_reasoning``: with the engine's reasoning parser, the constraint holds inside
+    the thinking block too (vLLM's engine option of that name, here per constraint; a forced
+    tool call sets it); by default it holds once the reasoning has ended."""
 
     json: dict | str | None = None
     regex: str | None = None
@@ -47,6 +50,7 @@ class StructuredOutputsParams:
     disable_additional_properties: bool = False
     whitespace_pattern: str | None = None
     structural_tag: str | None = None
+    enable_in_reasoning: bool = False
 
     def __post_init__(self) -> None:
         for name in ("whitespace_pattern", "structural_tag"):
@@ -54,7 +58,7 @@ class StructuredOutputsParams:
                 raise _bad(name, "is not supported by this server")
         if self.disable_additional_properties is not False:
             raise _bad("disable_additional_properties", "is not supported by this server")
-        for name in ("disable_fallback", "disable_any_whitespace"):
+        for name in ("disable_fallback", "disable_any_whitespace", "enable_in_reasoning"):
             if not isinstance(getattr(self, name), bool):
                 raise _bad(name, "must be a bool")
         if self.json_object not in (None, True, False):

@@ -23,7 +23,7 @@ from llm_kit import _greedy, _ids, _idle, _within
 ONE_BAD_VALUE_PER_FIELD = {
     "n": 0, "temperature": -1.0, "top_p": 0.0, "top_k": -2, "min_p": 1.5, "seed": 1.5,
     "max_tokens": 0, "min_tokens": -1, "stop": [""], "stop_token_ids": [-1], "ignore_eos": 1,
-    "logprobs": 21, "prompt_logprobs": -1, "skip_special_tokens": None,
+    "logprobs": -1, "prompt_logprobs": -1, "skip_special_tokens": None,
     "include_stop_str_in_output": "yes",
 }
 

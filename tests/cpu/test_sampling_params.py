@@ -58,9 +58,11 @@ BAD = [
     ("stop", ""), ("stop", ["ok", ""]), ("stop", [3]), ("stop", 5),
     ("stop_token_ids", [-1]), ("stop_token_ids", [True]), ("stop_token_ids", [1.0]), ("stop_token_ids", 3),
     ("ignore_eos", 1), ("skip_special_tokens", None), ("include_stop_str_in_output", "yes"),
-    ("logprobs", -1), ("logprobs", MAX_LOGPROBS + 1), ("logprobs", True), ("logprobs", 1.0),
-    ("prompt_logprobs", -1), ("prompt_logprobs", MAX_LOGPROBS + 1), ("prompt_logprobs", False),
+    ("logprobs", -1), ("logprobs", True), ("logprobs", 1.0),  # the bound: the engine's
+    ("prompt_logprobs", -1), ("prompt_logprobs", False),
     ("structured_outputs", 5), ("structured_outputs", "json"),
+    ("logit_bias", [(1, 2.0)]), ("logit_bias", {"1": 2.0}), ("logit_bias", {-1: 0.0}),
+    ("logit_bias", {1: math.nan}), ("logit_bias", {True: 1.0}), ("logit_bias", {1: "2"}),
 ]
 
 

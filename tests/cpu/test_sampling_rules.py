@@ -8,6 +8,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from epserve.head.limits import RequestLimits
 from epserve.head.sampling_params import SamplingParams
 from epserve.models.sampling_rules import token_ids_problem
 from epserve.models.traits import EpCommandFailed
@@ -46,6 +47,10 @@ def test_accepted_at_the_edge_means_accepted_by_every_rank(kw, seed):
         return
     if token_ids_problem(sp.stop_token_ids, VOCAB) is not None:
         return  # the engine refuses these stop ids before queueing (check_request)
+    try:
+        RequestLimits().check(sp)  # and logprobs over its max_logprobs (20 by default)
+    except ValueError:
+        return
     _rank_verdict(sp, seed)
 
 

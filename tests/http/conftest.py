@@ -69,7 +69,8 @@ SCRIPTED_APP, SCRIPTED_HEAD, SCRIPTED_PREFIX = ("epserve-http-scripted", "epserv
 def scripted_server(server, demo_model_dir, tmp_path_factory) -> Server:
     """A second app beside ``server``, under /scripted: the scripted model (scripted_model.py:
     its greedy text is a script) served as ``epserve serve --enable-auto-tool-choice
-    --tool-call-parser hermes --reasoning-parser qwen3`` would."""
+    --tool-call-parser hermes --reasoning-parser qwen3 --return-tokens-as-token-ids
+    --max-logprobs -1`` would."""
     import requests
     from ray import serve
     from scripted_model import build
@@ -81,7 +82,8 @@ def scripted_server(server, demo_model_dir, tmp_path_factory) -> Server:
     app = build_app({"model": str(ckpt), "dtype": "float32", "seed": 0, "max_num_seqs": 8,
                      "served_model_name": "scripted", "api_key": API_KEY,
                      "head_name": SCRIPTED_HEAD, "enable_auto_tool_choice": True,
-                     "tool_call_parser": "hermes", "reasoning_parser": "qwen3"})
+                     "tool_call_parser": "hermes", "reasoning_parser": "qwen3",
+                     "return_tokens_as_token_ids": True, "max_logprobs": -1})
     _CLEANUPS.append(lambda: stop_head(SCRIPTED_HEAD))
     _CLEANUPS.append(lambda: serve.delete(SCRIPTED_APP))  # runs first: the app, then its head
     serve.run(app, name=SCRIPTED_APP, route_prefix=SCRIPTED_PREFIX, blocking=False)

@@ -1,0 +1,32 @@
+"""``--max-logprobs -1`` (vLLM's: the vocabulary size) with the openai client, on the scripted
+server (conftest), which runs with it: a request may ask for every token's logprob (far above
+the default 20) on completions and chat, and one more than the vocabulary is a 400 naming the
+field and the bound."""
+
+from __future__ import annotations
+
+import re
+
+import openai
+import pytest
+
+
+def _refused(call, **kw) -> openai.BadRequestError:
+    with pytest.raises(openai.BadRequestError) as e:
+        call(**kw)
+    return e.value
+
+
+def test_every_token_of_the_vocabulary(scripted_server, scripted_client):
+    kw = dict(model=scripted_server.model, max_tokens=1)
+    err = _refused(scripted_client.completions.create, prompt="Hello", logprobs=10**6, **kw)
+    assert err.param == "logprobs", err.body
+    vocab = int(re.search(r"must be <= (\d+) \(max_logprobs\)", err.message).group(1))
+    out = scripted_client.completions.create(prompt="Hello", logprobs=vocab, **kw)
+    (top,) = out.choices[0].logprobs.top_logprobs
+    assert vocab > 20 and len(top) == vocab
+    chat = scripted_client.chat.completions.create(
+        messages=[{"role": "user", "content": "Hi"}], logprobs=True, top_logprobs=vocab, **kw)
+    assert len(chat.choices[0].logprobs.content[0].top_logprobs) == vocab
+    err = _refused(scripted_client.completions.create, prompt="Hello", logprobs=vocab + 1, **kw)
+    assert err.param == "logprobs" and f"<= {vocab}" in err.message, err.body
