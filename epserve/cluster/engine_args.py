@@ -287,7 +287,7 @@ def build_engine(args: EngineArgs, runner: Any = None) -> tuple[Engine, Any, Any
         scheduler=SchedulerConfig(
             max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
             long_prefill_token_threshold=args.long_prefill_token_threshold,
-            enable_prefix_caching=args.enable_prefix_caching),
+            enable_prefix_caching=runner.prefix_caching),  # off for recurrent state
         limits=limits, speculative=spec, think_tags=tags), draft)
     return engine, runner, tok
 

@@ -130,7 +130,7 @@ class HeadActor:
             "cache_config": {  # vllm:cache_config_info's labels
                 "block_size": str(self.args.block_size),
                 "num_gpu_blocks": str(self.runner.num_total_blocks()),
-                "enable_prefix_caching": str(self.args.enable_prefix_caching),
+                "enable_prefix_caching": str(self.runner.prefix_caching),
                 "gpu_memory_utilization": str(self.args.gpu_memory_utilization)},
         }
 

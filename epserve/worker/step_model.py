@@ -82,14 +82,12 @@ class StepModel(ForwardForms, KvLifecycle):
 
     def __init__(self, rank0: RankExecutor, channel: LocalChannel | EpChannel, world_size: int,
                  keep_alive_s: float = 30.0):
-        self.rank0 = rank0
-        self.runner = rank0.runner
-        self.channel = channel
-        self.world_size = world_size
+        self.rank0, self.runner, self.channel, self.world_size = (rank0, rank0.runner, channel,
+                                                                   world_size)
         r = self.runner
-        self.model_config = r.model_config
-        self.max_model_len = r.max_model_len
-        self.block_size = r.block_size
+        self.model_config, self.max_model_len, self.block_size = (r.model_config,
+                                                                   r.max_model_len, r.block_size)
+        self.prefix_caching = r.prefix_caching  # off for a model with recurrent state
         self.book = KvBook(world_size, r.num_blocks, r.block_size, r.cfg.max_num_seqs,
                            r.max_model_len, r.prefix_caching)
         self.view = RankView(world_size, r.cfg.max_num_seqs)

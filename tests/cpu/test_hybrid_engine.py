@@ -65,6 +65,7 @@ def test_prefix_caching_is_off_and_reported(hybrid_ckpt, caplog):
     caplog.set_level("INFO")
     llm = LLM(model=str(hybrid_ckpt), dtype="float32", block_size=4)
     assert "prefix caching is off" in caplog.text
+    assert not llm.engine.scheduler.cfg.enable_prefix_caching  # what /metrics reports too
     prompt = list(range(3, 40))
     first, again = (llm.generate([{"prompt_token_ids": prompt}], _greedy())[0]
                     for _ in range(2))
