@@ -67,14 +67,19 @@ def use_triton(x: torch.Tensor) -> bool:
     return (x.is_cuda or os.environ.get("TRITON_INTERPRET") == "1") and triton_available()
 
 
+_FLA_MISSING: list[str] = []  # the first import that failed: logged once per process
+
+
 @functools.cache
 def _fla_module(module: str):
-    """``module`` of fla-core, or None (logged once) when it is not installed."""
+    """``module`` of fla-core, or None when it is not installed (one log line a process)."""
     try:
         return importlib.import_module(module)
     except ImportError as exc:
-        log.info("fla-core is not installed (%s): the torch reference runs instead "
-                 "(pip install 'epserve[gpu]')", exc)
+        if not _FLA_MISSING:
+            _FLA_MISSING.append(module)
+            log.warning("fla-core is not installed (%s): gated-DeltaNet prefill runs the torch "
+                        "reference on CUDA (pip install 'epserve[gpu]')", exc)
         return None
 
 

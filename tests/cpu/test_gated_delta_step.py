@@ -11,10 +11,14 @@ bf16 ulp.
 
 from __future__ import annotations
 
+import sys
+from types import SimpleNamespace
+
 import pytest
 import torch
 from kernel_interp import interpreted_modules, kernel_fixtures, needs_triton
 
+from epserve.kernels.dispatch import fla_function
 from epserve.kernels.gated_delta import chunked_ref, gated_delta_step, recurrent_ref
 
 _NAMES = ("gated_delta_decode",)
@@ -144,3 +148,17 @@ def test_step_errors():
         gated_delta_step(*(x[:2] for x in args), pool, slots, fresh, (0, 1, 2, 2), decode=True)
     with pytest.raises(ValueError, match="state pool"):
         gated_delta_step(*args, pool[:, :1], slots, fresh, (0, 1, 2, 3), decode=True)
+
+
+def test_fla_is_only_asked_for_on_cuda_outside_the_interpreter(monkeypatch):
+    """Importing fla breaks the Triton interpreter in the process: CPU tensors and interpreted
+    runs never import it; where it is missing the entry gets None (the reference runs)."""
+    cuda_like = SimpleNamespace(is_cuda=True)
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    assert fla_function(torch.zeros(1), "fla.ops.gated_delta_rule", "chunk_gated_delta_rule") \
+        is None
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    assert fla_function(cuda_like, "fla.ops.gated_delta_rule", "chunk_gated_delta_rule") is None
+    assert "fla" not in sys.modules
+    monkeypatch.delenv("TRITON_INTERPRET")
+    assert fla_function(cuda_like, "epserve_test_no_such_fla.ops", "rule") is None
