@@ -1,5 +1,5 @@
 """Where a step's time goes: torch profiler over one prefill step and a few decode steps of
-the Qwen3-30B-A3B shape (random bf16), top ops by self CUDA time and by self CPU time.
+a model shape (bench/shapes.py; random bf16), top ops by self CUDA time and by self CPU time.
 
     python bench/profile_decode.py [--layers 8] [--steps 4] [--batch 1] [--enforce-eager]
     python bench/profile_decode.py --layers 48 --batch 32 --prompt-len 256 --steps 0  # prefill
@@ -22,11 +22,12 @@ from torch.profiler import ProfilerActivity, profile
 from epserve import LLM, SamplingParams
 
 sys.path.insert(0, str(Path(__file__).parent))
-from decode_latency import QWEN3_30B_A3B  # noqa: E402
+from shapes import SHAPES, shape  # noqa: E402
 
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--model-shape", choices=sorted(SHAPES), default="qwen3-30b-a3b")
     ap.add_argument("--layers", type=int, default=8)
     ap.add_argument("--steps", type=int, default=4)
     ap.add_argument("--batch", type=int, default=1)
@@ -39,8 +40,7 @@ def main(argv: list[str] | None = None) -> int:
                     help="cProfile of one generate instead: where the host's time per step goes")
     args = ap.parse_args(argv)
     folder = Path(tempfile.mkdtemp())
-    (folder / "config.json").write_text(json.dumps(dict(QWEN3_30B_A3B,
-                                                        num_hidden_layers=args.layers)))
+    (folder / "config.json").write_text(json.dumps(shape(args.model_shape, args.layers)))
     llm = LLM(model=str(folder), dtype="bfloat16", load_format="dummy", device="cuda",
               max_model_len=max(2048, args.prompt_len + args.steps + 8), num_kv_blocks=4096,
               max_num_batched_tokens=max(2048, args.batch * args.prompt_len),
