@@ -11,10 +11,10 @@ from __future__ import annotations
 
 import importlib.util
 import time
-import warnings
 
 import pytest
 import torch
+from host_syncs import host_syncs
 
 pytestmark = [
     pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA"),
@@ -120,16 +120,7 @@ def test_one_host_sync_per_call():
     x = _logits(1).cuda()
     rows = _rows(x)
     idx = list(range(R))
-    sample_rows(x, rows, idx)  # compile and warm the caching allocators
-    torch.cuda.synchronize()
-    torch.cuda.set_sync_debug_mode("warn")
-    try:
-        with warnings.catch_warnings(record=True) as caught:
-            warnings.simplefilter("always")
-            sample_rows(x, rows, idx)
-    finally:
-        torch.cuda.set_sync_debug_mode("default")
-    syncs = [str(w.message) for w in caught if "synchroniz" in str(w.message).lower()]
+    syncs = host_syncs(lambda: sample_rows(x, rows, idx))
     print(f"host syncs in one sample_rows call: {len(syncs)}")
     assert len(syncs) <= 1, syncs
 
