@@ -16,6 +16,26 @@ sys.path.insert(0, str(Path(__file__).parent))
 from tiny_ckpt import make_tiny_checkpoint  # noqa: E402
 
 
+def _engine_threads() -> None:
+    """The test process runs engines (one-rank LLMs), the transformers oracle and training
+    beside the Ray cluster's processes, subprocesses and, on a shared VM, other work: it
+    takes an engine process's torch intra-op threads (``epserve.cluster.cpu_threads``: half
+    the cores, one on the 2-core CI VM), as the head and rank actors do. With two threads each
+    tiny op's barrier waits for a core that another process holds: on the 2-core VM at load
+    5, tests/cpu/test_spec_decode.py and test_spec_draft_model.py took 345 s with two and 20 s
+    with one. Only the thread count changes: the tests that compare outputs compare them in
+    this process, and the engine actors already run with these threads."""
+    import torch
+
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+    threads = max(1, (cores or 1) // 2)
+    if torch.get_num_threads() > threads:
+        torch.set_num_threads(threads)
+
+
+_engine_threads()
+
+
 @pytest.fixture(scope="session")
 def qwen3_ckpt(tmp_path_factory) -> Path:
     return make_tiny_checkpoint("qwen3_moe", tmp_path_factory.mktemp("qwen3_moe"))
