@@ -89,6 +89,8 @@ class _HybridMoeLM(DecoderOnlyLM):
 
     norm_class = ZeroCentredRMSNorm
     map_deltanet: Callable[[WeightMap, str, GatedDeltaNet], None]
+    #: checkpoint tensors this model does not use yet, by name prefix, with the log line's why
+    unused: dict[str, str] = {"mtp.": "MTP head weights unused until the MTP proposer exists"}
 
     def __init__(self, cfg: ModelConfig, parallel: ParallelInfo = ParallelInfo()):
         super().__init__(cfg, parallel,
@@ -96,6 +98,23 @@ class _HybridMoeLM(DecoderOnlyLM):
 
     def make_layer(self, layer_idx: int, ffn: nn.Module) -> nn.Module:
         return HybridDecoderLayer(self.cfg, layer_idx, ffn)
+
+    def load_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
+        """Load, leaving out (with one log line each) the tensors under ``unused``."""
+        skipped: dict[str, int] = dict.fromkeys(self.unused, 0)
+
+        def used() -> Iterator[tuple[str, torch.Tensor]]:
+            for name, tensor in named_tensors:
+                prefix = next((p for p in skipped if name.startswith(p)), None)
+                if prefix is None:
+                    yield name, tensor
+                else:
+                    skipped[prefix] += 1
+
+        super().load_weights(used())
+        for prefix, n in skipped.items():
+            if n:
+                log.info("%s: %d tensors under %s", self.unused[prefix], n, prefix)
 
     def map_layer(self, wm: WeightMap, prefix: str, layer: nn.Module) -> None:
         wm.add(f"{prefix}.input_layernorm.weight", layer.input_layernorm.weight)
@@ -132,19 +151,6 @@ class Qwen3_5MoeForConditionalGeneration(Qwen3_5MoeForCausalLM):
     """A Qwen3.5-MoE multimodal checkpoint served as its language model (text only)."""
 
     checkpoint_prefix = "model.language_model."
-    vision_prefix = "model.visual."
+    unused = {**_HybridMoeLM.unused,
+              "model.visual.": "vision weights ignored until vision exists"}
 
-    def load_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
-        skipped: list[str] = []
-
-        def text_only() -> Iterator[tuple[str, torch.Tensor]]:
-            for name, tensor in named_tensors:
-                if name.startswith(self.vision_prefix):
-                    skipped.append(name)
-                    continue
-                yield name, tensor
-
-        super().load_weights(text_only())
-        if skipped:
-            log.info("vision weights ignored until vision exists: %d tensors under %s",
-                     len(skipped), self.vision_prefix)

@@ -179,6 +179,18 @@ def test_a_missing_or_misshapen_deltanet_tensor_is_named(next_ckpt, tmp_path):
         load_model(tmp_path / "shape", dtype=torch.float32, device="cpu")
 
 
+def test_an_mtp_head_in_the_checkpoint_loads_with_a_log_line(next_ckpt, tmp_path, caplog):
+    """The checkpoints ship ``mtp.*`` weights (the MTP draft head): unused until the proposer
+    exists, said once, and the model loads as without them."""
+    extra = {"mtp.fc.weight": torch.ones(4, 4), "mtp.layers.0.input_layernorm.weight":
+             torch.ones(4)}
+    _copy_with(next_ckpt, tmp_path / "mtp", lambda t: t.update(extra))
+    with caplog.at_level(logging.INFO, logger="epserve.models.qwen3_next"):
+        load_model(tmp_path / "mtp", dtype=torch.float32, device="cpu")
+    assert [r.message for r in caplog.records if "MTP" in r.message] == [
+        "MTP head weights unused until the MTP proposer exists: 2 tensors under mtp."]
+
+
 def test_a_multimodal_checkpoint_serves_its_language_model(tmp_path, caplog):
     path = make_tiny_checkpoint("qwen3_5_moe_vl", tmp_path / "vl", seed=4)
     cfg = ModelConfig.from_pretrained(path)
