@@ -85,7 +85,8 @@ def _create(srv, client, **kw):
     kw.setdefault("messages", ASK)
     kw.setdefault("tools", TOOLS)
     kw.setdefault("max_tokens", 400)
-    return client.chat.completions.create(model=srv.model, seed=7, **kw)
+    kw.setdefault("seed", 7)
+    return client.chat.completions.create(model=srv.model, **kw)
 
 
 def _valid_call(name: str, arguments: str) -> dict:
@@ -171,24 +172,25 @@ def test_named_function_works_beside_the_servers_tool_parser(scripted_server,
 
 # random weights: an array of calls ends only when "]" is drawn among the whitespace and ","
 LONG = 2000
+# a seed whose two answers hold two calls and one (seed 7's held 5 and 3, in 934 tokens)
+REQUIRED_SEED = 1
 
 
-def test_required_is_calls_to_real_tools(forced_server, fclient):
-    out = _create(forced_server, fclient, tool_choice="required", n=2, max_tokens=LONG)
+def test_required_is_calls_to_real_tools_streamed_or_not(forced_server, fclient):
+    kw = dict(tool_choice="required", n=2, max_tokens=LONG, seed=REQUIRED_SEED)
+    out = _create(forced_server, fclient, **kw)
     for choice in out.choices:
         assert choice.finish_reason == "tool_calls" and choice.message.content == ""
         calls = _whole_calls(choice)
         assert calls
         for call in calls:
             _valid_call(*call)
-
-
-def test_required_streamed_adds_up_to_the_whole_calls(forced_server, fclient):
-    whole = _create(forced_server, fclient, tool_choice="required", n=1, max_tokens=LONG)
-    content, calls, finish = _stream(forced_server, fclient, tool_choice="required", n=1,
-                                     max_tokens=LONG)
-    assert finish == ["tool_calls"] and content == [""]
-    assert calls == [_whole_calls(c) for c in whole.choices]
+    whole = [_whole_calls(c) for c in out.choices]
+    assert max(len(c) for c in whole) > 1  # a later call's deltas are streamed too
+    # streamed (same seed): each call's id and name first, then its arguments, adding up
+    content, calls, finish = _stream(forced_server, fclient, **kw)
+    assert finish == ["tool_calls", "tool_calls"] and content == ["", ""]
+    assert calls == whole
 
 
 def test_required_without_parallel_calls_is_one_call(forced_server, fclient):
