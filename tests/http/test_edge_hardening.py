@@ -9,6 +9,7 @@ import json
 import socket
 import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 import requests
@@ -187,28 +188,29 @@ def test_the_openai_client_sends_json(client):
 # ---------------------------------------------------------------- 2. stalled heads and bodies
 
 
-def test_a_stalled_body_is_408_and_the_connection_closed(server):
+def test_stalled_heads_and_bodies_are_408_and_the_connection_closed(server):
+    """Each on a connection of its own, all at once (the deadlines are waited out once, not
+    once per case): nothing sent, a request line cut short, a head without its blank line
+    (the head deadline), and a body short of its Content-Length (the body deadline)."""
     body = json.dumps(JSON_ROUTES["/v1/completions"]).encode()
     head = (f"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
             f"Authorization: Bearer {server.api_key}\r\nContent-Length: {len(body) + 50}\r\n"
             f"\r\n").encode()
-    answer, took, closed = _raw(server, head + body, wait_s=BODY_READ_TIMEOUT_S + 20)
-    assert closed, answer
-    status, headers, payload = _split(answer)
-    assert status == 408 and headers["connection"] == "close"
-    assert _openai_error(408, payload)["code"] == "request_timeout"
-    assert BODY_READ_TIMEOUT_S - 0.5 <= took < BODY_READ_TIMEOUT_S + 15
-
-
-@pytest.mark.parametrize("sent", [b"", b"GET /v1/models HTTP/1.1\r\nHost: x\r\n",
-                                  b"POST /v1/compl"])
-def test_a_stalled_head_is_408_and_the_connection_closed(server, sent):
-    answer, took, closed = _raw(server, sent, wait_s=HEADER_READ_TIMEOUT_S + 20)
-    assert closed, answer
-    status, headers, payload = _split(answer)
-    assert status == 408 and headers["connection"] == "close"
-    assert _openai_error(408, payload)["code"] == "request_timeout"
-    assert HEADER_READ_TIMEOUT_S - 0.5 <= took < HEADER_READ_TIMEOUT_S + 15
+    stalled = {"nothing": (b"", HEADER_READ_TIMEOUT_S),
+               "a head without its end": (b"GET /v1/models HTTP/1.1\r\nHost: x\r\n",
+                                          HEADER_READ_TIMEOUT_S),
+               "half a request line": (b"POST /v1/compl", HEADER_READ_TIMEOUT_S),
+               "a short body": (head + body, BODY_READ_TIMEOUT_S)}
+    with ThreadPoolExecutor(len(stalled)) as pool:
+        futures = {what: pool.submit(_raw, server, sent, wait_s=deadline + 20)
+                   for what, (sent, deadline) in stalled.items()}
+    for what, (_, deadline) in stalled.items():
+        answer, took, closed = futures[what].result()
+        assert closed, (what, answer)
+        status, headers, payload = _split(answer)
+        assert status == 408 and headers["connection"] == "close", (what, answer)
+        assert _openai_error(408, payload)["code"] == "request_timeout"
+        assert deadline - 0.5 <= took < deadline + 15, (what, took)
 
 
 def test_an_endless_head_is_431_and_the_connection_closed(server):
