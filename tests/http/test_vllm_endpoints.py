@@ -187,9 +187,9 @@ def test_load_counts_the_requests_in_flight(server):
     assert _error(requests.post(f"{server.v1}/completions", timeout=60, json={}), 401)
     assert _load(server) == 0
     # two streams, on both routes, long enough to be generating while /load is read
-    a = _Stream(server, "completions", {"prompt": "Count:", "max_tokens": 600})
+    a = _Stream(server, "completions", {"prompt": "Count:", "max_tokens": 300})
     b = _Stream(server, "chat/completions", {
-        "messages": [{"role": "user", "content": "Count"}], "max_tokens": 600})
+        "messages": [{"role": "user", "content": "Count"}], "max_tokens": 300})
     assert _load(server) == 2
     assert _load(server) == 2, "reading /load is not load itself"
     for s in (a, b):  # read to the end: in flight until the last chunk
