@@ -39,16 +39,18 @@ def _ids(outs) -> list[list[int]]:
     return [o.outputs[0].token_ids for o in outs]
 
 
-@pytest.fixture(scope="module", params=["qwen3_moe", "mixtral"])
-def ckpt6(request, tmp_path_factory):
+def _ckpt6(arch: str, tmp_path_factory):
     """Six experts: divisible by 2 and 3."""
-    key = "num_experts" if request.param == "qwen3_moe" else "num_local_experts"
-    return make_tiny_checkpoint(request.param, tmp_path_factory.mktemp(request.param + "6"),
-                                **{key: 6})
+    key = "num_experts" if arch == "qwen3_moe" else "num_local_experts"
+    return make_tiny_checkpoint(arch, tmp_path_factory.mktemp(arch + "6"), **{key: 6})
 
 
-@pytest.mark.parametrize("strategy", ["STRICT_PACK", "SPREAD"])
-def test_ep3_matches_ep1(ray_cluster, ckpt6, strategy):
+# each architecture and each placement strategy once: the strategy only reaches the placement
+# group (on this one node both put the three ranks here), the architecture the ranks' model
+@pytest.mark.parametrize("arch, strategy", [("qwen3_moe", "STRICT_PACK"),
+                                            ("mixtral", "SPREAD")])
+def test_ep3_matches_ep1(ray_cluster, tmp_path_factory, arch, strategy):
+    ckpt6 = _ckpt6(arch, tmp_path_factory)
     prompts = [{"prompt_token_ids": p} for p in _prompts(seed=11)]
     want = _ids(LLM(model=str(ckpt6), **STRESS).generate(prompts, GREEDY))
     ep = LLM(model=str(ckpt6), ep_size=3, placement_strategy=strategy, **STRESS)
