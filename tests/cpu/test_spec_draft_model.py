@@ -27,11 +27,15 @@ def _reqs() -> list[dict]:
             for n in (3, 7, 12, 5, 21, 30, 9)]
 
 
-def _run(path, draft=None, k: int = 3, **kw):
+def _llm(path, draft=None, k: int = 3, **kw) -> LLM:
     spec = None if draft is None else {"method": "draft_model", "model": str(draft),
                                        "num_speculative_tokens": k}
-    llm = LLM(model=str(path), dtype="float32", seed=0, max_model_len=128,
-              speculative_config=spec, **kw)
+    return LLM(model=str(path), dtype="float32", seed=0, max_model_len=128,
+               speculative_config=spec, **kw)
+
+
+def _run(path, draft=None, k: int = 3, **kw):
+    llm = _llm(path, draft, k, **kw)
     greedy = SamplingParams(temperature=0.0, max_tokens=30, ignore_eos=True, logprobs=1)
     seeded = SamplingParams(temperature=0.8, seed=3, max_tokens=30, ignore_eos=True)
     steps = 0
@@ -64,11 +68,26 @@ CASES = {"plain": {}, "chunked, preempting": {"max_num_batched_tokens": 16, "blo
                                               "num_kv_blocks": 40}}
 
 
+@pytest.fixture(scope="module")
+def plain_run():
+    """``_run`` without speculation, once per checkpoint and engine options: the tests below
+    compare with the same run."""
+    runs: dict = {}
+
+    def get(path, **kw):
+        key = (str(path), tuple(sorted(kw.items())))
+        if key not in runs:
+            runs[key] = _run(path, **kw)
+        return runs[key]
+
+    return get
+
+
 @pytest.mark.parametrize("arch, case", [("qwen3_ckpt", "plain"), ("mixtral_ckpt", "plain"),
                                         ("qwen3_ckpt", "chunked, preempting")])
-def test_the_target_as_its_own_draft_accepts_every_draft(request, arch, case):
+def test_the_target_as_its_own_draft_accepts_every_draft(request, plain_run, arch, case):
     tiny_ckpt = request.getfixturevalue(arch)
-    _, want, plain_steps, _ = _run(tiny_ckpt, **CASES[case])
+    _, want, plain_steps, _ = plain_run(tiny_ckpt, **CASES[case])
     llm, got, steps, st = _run(tiny_ckpt, draft=tiny_ckpt, k=3, **CASES[case])
     _same(want, got)
     assert st.num_drafts > 0 and st.num_accepted_tokens == st.num_draft_tokens
@@ -81,13 +100,13 @@ def test_the_target_as_its_own_draft_accepts_every_draft(request, arch, case):
         assert llm.engine.scheduler.num_preemptions > 0
 
 
-def test_any_draft_leaves_the_output_unchanged(qwen3_ckpt, other_draft):
-    base, want, _, _ = _run(qwen3_ckpt)
+def test_any_draft_leaves_the_output_unchanged(qwen3_ckpt, other_draft, plain_run):
+    base, want, _, _ = plain_run(qwen3_ckpt)
     llm, got, _, _ = _run(qwen3_ckpt, draft=other_draft, k=4)
     _same(want, got)
     st = llm.engine.stats.spec
     assert st.num_drafts > 0 and st.num_accepted_tokens < st.num_draft_tokens
-    own, _, _, _ = _run(qwen3_ckpt, draft=qwen3_ckpt, k=4)  # runs of 5 accepted tokens:
+    own = _llm(qwen3_ckpt, draft=qwen3_ckpt, k=4)  # runs of 5 accepted tokens:
     stop = want[-1].outputs[0].token_ids[6]  # max_tokens and stops land inside them
     for sp in [SamplingParams(temperature=0.0, max_tokens=m, ignore_eos=True) for m in (2, 7)] + [
             SamplingParams(temperature=0.0, max_tokens=30, stop_token_ids=[stop])]:
