@@ -62,22 +62,6 @@ def _assert_same(outs, want) -> None:
             assert all(abs(got[t].logprob - exp[t].logprob) <= 1e-5 for t in exp), (got, exp)
 
 
-@pytest.fixture(scope="module", autouse=True)
-def engine_threads():
-    """This process runs engines (one rank, and rank 0 of a group) beside the Ray cluster's
-    processes: it takes an engine process's torch threads (``cluster.cpu_threads``), as a
-    head actor does. On a 2-core machine two intra-op threads there make each step up to
-    100x slower (every op's barrier waits for a core another process holds)."""
-    import torch
-
-    from epserve.cluster.cpu_threads import set_engine_threads
-
-    threads = torch.get_num_threads()
-    set_engine_threads("auto")
-    yield
-    torch.set_num_threads(threads)
-
-
 @pytest.fixture(scope="module")
 def ckpt6(tmp_path_factory):
     """Six experts: divisible by 2 and 3."""
