@@ -50,14 +50,20 @@ def _joiner(address: str, home: str, **env: str) -> subprocess.Popen:
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE)
 
 
+# A refused driver asks the GCS again once a second, 20 times by default, before ray.init
+# gives up; every answer is the same refusal (logged each time), so 5 tries are enough to see
+# that it never gets in.
+GIVE_UP_SOONER = {"RAY_NUM_REDIS_GET_RETRIES": "5"}
+
+
 def test_only_a_driver_with_the_token_can_join(ray_cluster, ep2, tmp_path):
     address = ray_cluster.get_runtime_context().gcs_address
     drivers = {
         "the token": _joiner(address, str(tmp_path)),
         "a wrong token": _joiner(address, str(tmp_path), RAY_AUTH_MODE="token",
-                                 RAY_AUTH_TOKEN=secrets.token_hex(32)),
+                                 RAY_AUTH_TOKEN=secrets.token_hex(32), **GIVE_UP_SOONER),
         "no token, auth off": _joiner(address, str(tmp_path), RAY_AUTH_MODE="disabled",
-                                      RAY_AUTH_TOKEN=""),
+                                      RAY_AUTH_TOKEN="", **GIVE_UP_SOONER),
     }
     results = {}
     deadline = time.monotonic() + 120  # they run at once: one bound for all three
