@@ -78,16 +78,12 @@ def _chosen(position: LogprobsDict, token_id: int, as_ids: bool) -> tuple[str, f
     return _token_text(token_id, lp, as_ids), _lp(lp.logprob)
 
 
-def _ranked(position: LogprobsDict) -> list[tuple[int, Logprob]]:
-    alts = [(tid, lp) for tid, lp in position.items() if lp.rank is not None]
-    return sorted(alts, key=lambda item: item[1].rank or 0)
-
-
 def completion_logprobs(token_ids: Sequence[int], positions: Sequence[LogprobsDict | None],
                         offset: int, decode: Callable[[int], str] | None = None,
                         as_ids: bool = False) -> dict[str, Any]:
     """The legacy completions ``logprobs`` object for these tokens; ``offset`` is the text
-    offset of the first one. A None position (the prompt's first token) has no logprob; its
+    offset of the first one. ``top_logprobs`` holds a position's whole dict in its order (vLLM's:
+    the token itself first, then the top k, k + 1 entries when it is not among them). A None position (the prompt's first token) has no logprob; its
     text comes from ``decode``."""
     tokens, token_lps, tops, offsets = [], [], [], []
     for tid, pos in zip(token_ids, positions):
@@ -112,12 +108,14 @@ def _chat_entry(text: str, lp: float) -> dict[str, Any]:
 
 def chat_logprobs(token_ids: Sequence[int], positions: Sequence[LogprobsDict],
                   top_n: int, as_ids: bool = False) -> dict[str, Any]:
-    """The chat ``logprobs`` object: per token, its logprob and up to ``top_n`` alternatives."""
+    """The chat ``logprobs`` object: per token, its logprob and ``top_logprobs``: the first
+    ``top_n`` entries of the position's dict, as vLLM's: the sampled token first, then the most
+    likely others (so ``top_n - 1`` of them when the sampled token is not among the top)."""
     content = []
     for tid, pos in zip(token_ids, positions):
         text, lp = _chosen(pos, tid, as_ids)
         top = [_chat_entry(_token_text(t, p, as_ids), _lp(p.logprob))
-               for t, p in _ranked(pos)[:top_n]]
+               for t, p in list(pos.items())[:top_n]]
         content.append({**_chat_entry(text, lp), "top_logprobs": top})
     return {"content": content}
 

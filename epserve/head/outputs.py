@@ -2,7 +2,8 @@
 
 Invariants: outputs are plain mutable dataclasses the engine fills in step by step; a
 ``CompletionOutput`` is finished exactly when its ``finish_reason`` is set; logprob dicts map
-token id to ``Logprob`` with the top alternatives ranked 1.. and the chosen token included.
+token id to ``Logprob``: the chosen token first, then the top alternatives ranked 1.. (vLLM's
+order).
 Pure Python, no torch.
 """
 
@@ -38,14 +39,16 @@ def make_logprobs_dict(
 ) -> LogprobsDict:
     """A position's dict from a chosen token and its ``top`` alternatives (highest first).
 
-    The alternatives get ranks 1..k in order; the chosen token keeps its rank when it is among
-    them, else rank None (its exact rank was not computed). ``decode`` fills ``decoded_token``.
+    vLLM's order: the chosen (sampled or prompt) token first, then the alternatives ranked
+    1..k (the chosen one appears once, first, with its rank in the top when it is among them;
+    else k + 1 entries). Outside the top its rank is None: the ranks do not send it.
+    ``decode`` fills ``decoded_token``.
     """
-    out: LogprobsDict = {}
-    for rank, (tid, lp) in enumerate(top, start=1):
-        out[tid] = Logprob(lp, rank, decode(tid) if decode else None)
-    if token_id not in out:
-        out[token_id] = Logprob(logprob, None, decode(token_id) if decode else None)
+    rank = next((r for r, (tid, _) in enumerate(top, start=1) if tid == token_id), None)
+    out: LogprobsDict = {token_id: Logprob(logprob, rank, decode(token_id) if decode else None)}
+    for r, (tid, lp) in enumerate(top, start=1):
+        if tid != token_id:
+            out[tid] = Logprob(lp, r, decode(tid) if decode else None)
     return out
 
 

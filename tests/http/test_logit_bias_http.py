@@ -42,8 +42,11 @@ def test_logprobs_are_the_raw_ones(server, client):
     biased = client.chat.completions.create(logit_bias={str(TARGET): 100}, **kw)
     got = biased.choices[0].logprobs.content[0]
     assert got.token == f"token_id:{TARGET}"
+    # vLLM's order: the sampled token first (its raw logprob, far from the top), then the top
+    # 2 of the raw logits: the same as without the bias, so the bias changed no logprob
     assert [(t.token, t.logprob) for t in got.top_logprobs] == \
-        [(t.token, t.logprob) for t in plain.top_logprobs]  # the bias changed no logprob
+        [(got.token, got.logprob)] + [(t.token, t.logprob) for t in plain.top_logprobs][:2]
+    assert got.logprob < plain.top_logprobs[2].logprob
 
 
 @pytest.mark.parametrize("bias, says", [
