@@ -89,14 +89,17 @@ def _new_model(arch: str, cfg):
 
 
 def make_tiny_checkpoint(arch: str, out_dir: str | Path, *, seed: int = 0, sharded: bool = False,
-                         dtype: torch.dtype = torch.float32, **config_overrides: Any) -> Path:
+                         dtype: torch.dtype = torch.float32, mtp_layers: int = 0,
+                         **config_overrides: Any) -> Path:
     """Write a tiny random ``arch`` checkpoint (config.json + safetensors) into ``out_dir``.
 
     ``sharded=True`` splits the weights into many small files with a
     ``model.safetensors.index.json``. ``config_overrides`` go to the transformers config
     (e.g. ``tie_word_embeddings=True``, ``num_hidden_layers=3``, ``sliding_window=6``).
     ``dtype=torch.bfloat16`` saves the weights (and config ``torch_dtype``) in bf16, so an fp32
-    and a bf16 run see the same weights. Returns the folder.
+    and a bf16 run see the same weights. ``mtp_layers=n`` (hybrids) adds a random MTP head of
+    n layers with the published ``mtp.*`` names (``mtp_ckpt.add_random_mtp_head``). Returns
+    the folder.
     """
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
@@ -112,6 +115,10 @@ def make_tiny_checkpoint(arch: str, out_dir: str | Path, *, seed: int = 0, shard
         model.config.torch_dtype = dtype
     max_shard = "40KB" if sharded else "2GB"
     model.save_pretrained(out, safe_serialization=True, max_shard_size=max_shard)
+    if mtp_layers:
+        from mtp_ckpt import add_random_mtp_head
+
+        add_random_mtp_head(arch, out, mtp_layers, seed=seed)
     return out
 
 
