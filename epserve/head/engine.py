@@ -92,6 +92,11 @@ class Engine:
         spec = cfg.speculative
         if spec is not None:
             require_capability(model, "verify", "speculative decoding")
+            if draft is not None and "ssm_state" in draft.capabilities():
+                raise ValueError("a draft model with recurrent state (gated DeltaNet) cannot "
+                                 "draft: its drafts would have to be rewound, and its states "
+                                 "only go back inside a verify; use a draft model without "
+                                 "linear-attention layers")
         self.scheduler = Scheduler(model, cfg.scheduler,
                                    spec.proposer(draft) if spec is not None else None,
                                    spec.num_speculative_tokens if spec is not None else 0,

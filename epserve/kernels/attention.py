@@ -41,6 +41,10 @@ class AttentionMetadata:
       padded decode row of a CUDA graph is a one-row sequence of length 1 (so fresh) whose
       slot is the rank's spare scratch slot: it touches no other slot. The real sequences of
       a step never share a slot (padded ones may all share the spare).
+    - ``state_hold``: host indices of sequences (a speculative verify's rows) whose new states
+      such a layer does not write back; instead it appends, in layer order, what it needs to
+      fold an accepted prefix in afterwards to ``state_log`` (a list, given with the hold):
+      nothing else reads or writes those entries.
     """
 
     slot_mapping: torch.Tensor
@@ -50,9 +54,13 @@ class AttentionMetadata:
     block_size: int
     seq_lens_t: torch.Tensor | None = None
     state_slots: torch.Tensor | None = None
+    state_hold: tuple[int, ...] = ()
+    state_log: list | None = None
 
     def __post_init__(self) -> None:
         s = len(self.seq_lens)
+        if self.state_hold and (self.state_log is None or self.state_slots is None):
+            raise ValueError("AttentionMetadata: state_hold needs state_slots and a state_log")
         if self.state_slots is not None and tuple(self.state_slots.shape) != (s,):
             raise ValueError(f"AttentionMetadata: state_slots shape {tuple(self.state_slots.shape)}"
                              f" does not match {s} sequences")

@@ -29,8 +29,9 @@ from typing import Sequence
 import torch
 import torch.nn.functional as F
 
-from epserve.kernels.dispatch import (DTYPES, MAX_CONV_WIDTH, check_state_step, fla_function,
-                                      fla_offsets, gather_states, use_triton)
+from epserve.kernels.dispatch import (DTYPES, MAX_CONV_WIDTH, check_hold, check_state_step,
+                                      fla_function, fla_offsets, gather_states, scatter_states,
+                                      use_triton)
 
 
 def causal_conv1d_ref(x: torch.Tensor, weight: torch.Tensor, state: torch.Tensor,
@@ -58,13 +59,15 @@ def causal_conv1d_ref(x: torch.Tensor, weight: torch.Tensor, state: torch.Tensor
 
 def causal_conv_step(x: torch.Tensor, weight: torch.Tensor, state_pool: torch.Tensor,
                      slots: torch.Tensor, fresh: torch.Tensor, cu_seqlens: Sequence[int],
-                     decode: bool) -> torch.Tensor:
+                     decode: bool, hold: Sequence[int] = ()) -> torch.Tensor:
     """``causal_conv1d_ref`` (SiLU applied) over the per-slot pool, in place (see the module).
 
     x: [T, C] packed tokens (``cu_seqlens``: S + 1 host offsets); weight: [C, K]; state_pool:
     [N, C, K - 1]; slots: [S] int64 (each sequence's slot); fresh: [S] bool (the sequence starts
     from zeros); ``decode``: every sequence has one token (``cu_seqlens`` is ``0, 1, .., S``:
-    trusted, not read, so a CUDA graph may hold placeholders). Returns y [T, C] in x's dtype."""
+    trusted, not read, so a CUDA graph may hold placeholders); ``hold``: host indices of
+    sequences whose new state is not written back (``dispatch.scatter_states``; never on a
+    decode step). Returns y [T, C] in x's dtype."""
     name = "causal_conv_step"
     if x.dim() != 2 or weight.dim() != 2 or weight.shape[0] != x.shape[1] or weight.shape[1] < 1:
         raise ValueError(f"{name}: x {tuple(x.shape)} must be [T, C] and weight "
@@ -72,6 +75,7 @@ def causal_conv_step(x: torch.Tensor, weight: torch.Tensor, state_pool: torch.Te
     kw = weight.shape[1]
     s = check_state_step(name, state_pool, (x.shape[1], kw - 1), slots, fresh,
                          rows=x.shape[0] if decode else None)
+    check_hold(name, hold, s, decode)
     if len(cu_seqlens) != s + 1:
         raise ValueError(f"{name}: cu_seqlens has {len(cu_seqlens)} entries for {s} sequences")
     if decode and _update_kernel_covers(x, weight, state_pool):
@@ -80,9 +84,9 @@ def causal_conv_step(x: torch.Tensor, weight: torch.Tensor, state_pool: torch.Te
         return causal_conv_update_triton(x, weight, state_pool, slots, fresh)
     fla_conv = fla_function(x, "fla.modules.causal_conv1d", "causal_conv1d")
     if fla_conv is not None and x.dtype in DTYPES and kw >= 2:
-        return _conv_fla(fla_conv, x, weight, state_pool, slots, fresh, cu_seqlens)
+        return _conv_fla(fla_conv, x, weight, state_pool, slots, fresh, cu_seqlens, hold)
     y, new = causal_conv1d_ref(x, weight, gather_states(state_pool, slots, fresh), cu_seqlens)
-    state_pool[slots] = new.to(state_pool.dtype)
+    scatter_states(state_pool, slots, new, hold)
     return y
 
 
@@ -95,7 +99,8 @@ def _update_kernel_covers(x: torch.Tensor, weight: torch.Tensor, pool: torch.Ten
 
 
 def _conv_fla(fla_conv, x: torch.Tensor, weight: torch.Tensor, pool: torch.Tensor,
-              slots: torch.Tensor, fresh: torch.Tensor, cu_seqlens: Sequence[int]) -> torch.Tensor:
+              slots: torch.Tensor, fresh: torch.Tensor, cu_seqlens: Sequence[int],
+              hold: Sequence[int]) -> torch.Tensor:
     """fla's varlen causal conv. Its states are [S, C, K]: position p < 0 of a sequence is
     column ``K + p``, so column 0 (the K-th input back) is never read and ours, the last K - 1
     inputs, are columns 1..K-1 of both the initial and the final state."""
@@ -104,5 +109,5 @@ def _conv_fla(fla_conv, x: torch.Tensor, weight: torch.Tensor, pool: torch.Tenso
     y, final = fla_conv(x=x[None], weight=weight, bias=None, initial_state=init,
                         output_final_state=True, activation="silu", cu_seqlens=cu,
                         cu_seqlens_cpu=cu_cpu)
-    pool[slots] = final[..., 1:].to(pool.dtype)
+    scatter_states(pool, slots, final[..., 1:], hold)
     return y[0]

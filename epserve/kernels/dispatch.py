@@ -23,6 +23,7 @@ import functools
 import importlib
 import logging
 import os
+from typing import Sequence
 
 import torch
 
@@ -112,6 +113,33 @@ def gather_states(pool: torch.Tensor, slots: torch.Tensor, fresh: torch.Tensor) 
     """The per-slot states of a step's sequences, copied out of ``pool`` [N, ...]:
     ``pool[slots]`` [S, ...], zeros where ``fresh[s]`` (a sequence that starts from nothing)."""
     return pool[slots].masked_fill(fresh.view(-1, *(1,) * (pool.dim() - 1)), 0)
+
+
+def scatter_states(pool: torch.Tensor, slots: torch.Tensor, new: torch.Tensor,
+                   hold: Sequence[int] = ()) -> None:
+    """Write a step's new per-sequence states ``new`` [S, ...] back into ``pool`` at ``slots``,
+    except the sequences listed in ``hold`` (host indices into the step's sequences: a
+    speculative verify's, whose accepted prefix is folded in once the verdict is known)."""
+    if hold:
+        held = set(hold)
+        keep = [s for s in range(len(new)) if s not in held]
+        if not keep:
+            return
+        idx = torch.tensor(keep, device=new.device)
+        slots, new = slots[idx], new[idx]
+    pool[slots] = new.to(pool.dtype)
+
+
+def check_hold(name: str, hold: Sequence[int], num_seqs: int, decode: bool) -> None:
+    """``hold`` names distinct sequences of the step, and not on a decode step (the decode
+    kernels write every row's state)."""
+    if not hold:
+        return
+    if decode:
+        raise ValueError(f"{name}: held sequences {list(hold)} on a decode step")
+    if len(set(hold)) != len(hold) or not all(0 <= h < num_seqs for h in hold):
+        raise ValueError(f"{name}: held sequences {list(hold)} must be distinct indices of the "
+                         f"step's {num_seqs} sequences")
 
 
 def check_state_step(name: str, pool: torch.Tensor, shape: tuple[int, ...], slots: torch.Tensor,

@@ -39,8 +39,9 @@ from typing import Sequence
 
 import torch
 
-from epserve.kernels.dispatch import (DTYPES, MAX_DELTA_DK, check_state_step, fla_function,
-                                      fla_offsets, gather_states, use_triton)
+from epserve.kernels.dispatch import (DTYPES, MAX_DELTA_DK, check_hold, check_state_step,
+                                      fla_function, fla_offsets, gather_states, scatter_states,
+                                      use_triton)
 
 
 def _prepare(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, qk_l2norm: bool,
@@ -136,14 +137,17 @@ def chunked_ref(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tens
 
 def gated_delta_step(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor,
                      beta: torch.Tensor, state_pool: torch.Tensor, slots: torch.Tensor,
-                     fresh: torch.Tensor, cu_seqlens: Sequence[int], decode: bool) -> torch.Tensor:
+                     fresh: torch.Tensor, cu_seqlens: Sequence[int], decode: bool,
+                     hold: Sequence[int] = ()) -> torch.Tensor:
     """The rule (q and k L2-normalised, q scaled by ``Dk ** -0.5``) over the per-slot pool, in
     place (see the module).
 
     q, k: [T, Hk, Dk]; v: [T, Hv, Dv]; g (log decays), beta: [T, Hv]; ``cu_seqlens``: S + 1
     host offsets; state_pool: [N, Hv, Dk, Dv]; slots: [S] int64; fresh: [S] bool;
     ``decode``: every sequence has one token (``cu_seqlens`` is ``0, 1, .., S``: trusted, not
-    read, so a CUDA graph may hold placeholders). Returns o [T, Hv, Dv] in v's dtype."""
+    read, so a CUDA graph may hold placeholders); ``hold``: host indices of sequences whose new
+    state is not written back (a speculative verify's: ``dispatch.scatter_states``; never on
+    a decode step). Returns o [T, Hv, Dv] in v's dtype."""
     name = "gated_delta_step"
     if q.dim() != 3 or q.shape != k.shape or v.dim() != 3 or v.shape[0] != q.shape[0]:
         raise ValueError(f"{name}: q {tuple(q.shape)}, k {tuple(k.shape)} must be [T, Hk, Dk] "
@@ -152,6 +156,7 @@ def gated_delta_step(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch
     hv, dv = v.shape[1:]
     s = check_state_step(name, state_pool, (hv, dk, dv), slots, fresh,
                          rows=q.shape[0] if decode else None)
+    check_hold(name, hold, s, decode)
     if len(cu_seqlens) != s + 1:
         raise ValueError(f"{name}: cu_seqlens has {len(cu_seqlens)} entries for {s} sequences")
     if decode and _decode_kernel_covers(q, k, v, g, beta, state_pool):
@@ -160,10 +165,10 @@ def gated_delta_step(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch
         return gated_delta_decode_triton(q, k, v, g, beta, state_pool, slots, fresh)
     chunk = fla_function(v, "fla.ops.gated_delta_rule", "chunk_gated_delta_rule")
     if chunk is not None and _fla_covers(q, k, v, state_pool):
-        return _rule_fla(chunk, q, k, v, g, beta, state_pool, slots, fresh, cu_seqlens)
+        return _rule_fla(chunk, q, k, v, g, beta, state_pool, slots, fresh, cu_seqlens, hold)
     rule = recurrent_ref if decode else chunked_ref
     o, new = rule(q, k, v, g, beta, gather_states(state_pool, slots, fresh), cu_seqlens)
-    state_pool[slots] = new.to(state_pool.dtype)
+    scatter_states(state_pool, slots, new, hold)
     return o
 
 
@@ -185,7 +190,7 @@ def _fla_covers(q, k, v, pool) -> bool:
             and k.shape[1] > 0 and v.shape[1] % k.shape[1] == 0)
 
 
-def _rule_fla(chunk, q, k, v, g, beta, pool, slots, fresh, cu_seqlens) -> torch.Tensor:
+def _rule_fla(chunk, q, k, v, g, beta, pool, slots, fresh, cu_seqlens, hold) -> torch.Tensor:
     """fla's varlen chunked rule from the gathered states (float32 [S, Hv, Dk, Dv], its layout);
     its final states (float32) go back to the slots."""
     cu, cu_cpu = fla_offsets(cu_seqlens, v.device)
@@ -193,5 +198,5 @@ def _rule_fla(chunk, q, k, v, g, beta, pool, slots, fresh, cu_seqlens) -> torch.
     o, final = chunk(q[None], k[None], v[None], g.float()[None], beta[None],
                      scale=q.shape[2] ** -0.5, initial_state=h0, output_final_state=True,
                      cu_seqlens=cu, cu_seqlens_cpu=cu_cpu, use_qk_l2norm_in_kernel=True)
-    pool[slots] = final.to(pool.dtype)
+    scatter_states(pool, slots, final, hold)
     return o[0].to(v.dtype)

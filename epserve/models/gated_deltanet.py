@@ -17,7 +17,10 @@ entries own that: ``causal_conv_step`` and ``gated_delta_step`` work on the pool
 slots (a pure decode step: the Triton decode kernels on CUDA, CUDA-graph capturable; a
 prefill: fla-core's kernels on CUDA where installed; the torch references otherwise, the
 recurrent form for a pure decode step, the chunked one else). Rows past
-``query_start_loc[-1]`` are padding: output zeros, no state read or written.
+``query_start_loc[-1]`` are padding: output zeros, no state read or written. A speculative
+verify's sequences (``meta.state_hold``) run from their states but do not write them: the layer
+logs their conv inputs, g and beta (``meta.state_log``), and once the verdict is known ``fold``
+advances each state by the accepted tokens only (so a rejected draft never touches a state).
 """
 
 from __future__ import annotations
@@ -83,27 +86,56 @@ class GatedDeltaNet(nn.Module):
         if qsl[0] != 0:
             raise ValueError(f"GatedDeltaNet: query_start_loc must start at 0, got {qsl[0]}")
         t, n = x.shape[0], qsl[-1]
-        hk, hv, dk, dv = self.num_k_heads, self.num_v_heads, self.head_k_dim, self.head_v_dim
+        hv, dv = self.num_v_heads, self.head_v_dim
         proj = linear(x[:n], self.in_proj.weight)  # [n, C + Hv Dv + 2 Hv]
         mixed, z, b, a = proj.split([self.conv_dim, self.value_dim, hv, hv], dim=-1)
         conv_state, rec_state = states
-        slots = meta.state_slots
+        slots, hold = meta.state_slots, meta.state_hold
         fresh = fresh_sequences(meta, x.device)  # [S]
         decode = qsl == tuple(range(len(qsl)))
-        mixed = causal_conv_step(mixed, self.conv_weight, conv_state, slots, fresh, qsl,
-                                 decode)  # SiLU'd
-        kd = self.key_dim
-        q = mixed[:, :kd].reshape(n, hk, dk)
-        k = mixed[:, kd:2 * kd].reshape(n, hk, dk)
-        v = mixed[:, 2 * kd:].reshape(n, hv, dv)
         beta = b.sigmoid()  # [n, Hv]
         g = -self.A_log.float().exp() * F.softplus(a.float() + self.dt_bias)  # [n, Hv] <= 0
-        o = gated_delta_step(q, k, v, g, beta, rec_state, slots, fresh, qsl, decode)  # [n,Hv,Dv]
+        if hold:  # a verify's rows: what folding an accepted prefix in needs
+            rows = held_rows(meta, x.device)
+            meta.state_log.append((mixed[rows], g[rows], beta[rows]))
+        mixed = causal_conv_step(mixed, self.conv_weight, conv_state, slots, fresh, qsl,
+                                 decode, hold)  # SiLU'd
+        q, k, v = self._qkv(mixed)
+        o = gated_delta_step(q, k, v, g, beta, rec_state, slots, fresh, qsl, decode,
+                             hold)  # [n, Hv, Dv]
         o = self.norm(o, z.reshape(n, hv, dv))
         out = linear(o.reshape(n, self.value_dim), self.out_proj.weight)  # [n, H]
         if n < t:  # padding rows
             out = torch.cat([out, out.new_zeros(t - n, out.shape[1])])
         return out
+
+    def _qkv(self, mixed: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """The convolved channels [n, C] as q, k [n, Hk, Dk] and v [n, Hv, Dv]."""
+        n, kd = mixed.shape[0], self.key_dim
+        return (mixed[:, :kd].reshape(n, self.num_k_heads, self.head_k_dim),
+                mixed[:, kd:2 * kd].reshape(n, self.num_k_heads, self.head_k_dim),
+                mixed[:, 2 * kd:].reshape(n, self.num_v_heads, self.head_v_dim))
+
+    def fold(self, logged: tuple[torch.Tensor, torch.Tensor, torch.Tensor], states: StatePair,
+             slots: torch.Tensor, lens: list[int], kept: list[int]) -> None:
+        """Advance held sequences' states by the first ``kept[i]`` of their ``lens[i]`` logged
+        tokens (what ``forward`` appended to ``meta.state_log`` for them: conv inputs, g,
+        beta), in place at ``slots``: the states become those of a plain decode of the kept
+        tokens. ``kept[i]`` in 1..``lens[i]``."""
+        x, g, beta = logged
+        starts = [0]
+        for n in lens:
+            starts.append(starts[-1] + n)
+        idx = [r for s, m in zip(starts, kept) for r in range(s, s + m)]
+        rows = torch.tensor(idx, device=x.device)
+        cu = [0]
+        for m in kept:
+            cu.append(cu[-1] + m)
+        decode = cu == list(range(len(cu)))
+        fresh = torch.zeros(len(kept), dtype=torch.bool, device=x.device)
+        mixed = causal_conv_step(x[rows], self.conv_weight, states[0], slots, fresh, cu, decode)
+        q, k, v = self._qkv(mixed)
+        gated_delta_step(q, k, v, g[rows], beta[rows], states[1], slots, fresh, cu, decode)
 
     def cache_spec(self) -> StateCacheSpec:
         return StateCacheSpec(conv_shape=(self.conv_dim, self.conv_kernel - 1),
@@ -128,6 +160,21 @@ def fresh_sequences(meta: AttentionMetadata, device: torch.device) -> torch.Tens
                         dtype=torch.bool, device=device)
     c[:] = [meta, device, mask]
     return mask
+
+
+_HELD_CACHE: list = [None, None, None]  # [meta, device, rows]: one step's layers share it
+
+
+def held_rows(meta: AttentionMetadata, device: torch.device) -> torch.Tensor:
+    """The rows of ``meta.state_hold``'s sequences, in hold order (int64 on ``device``)."""
+    c = _HELD_CACHE
+    if c[0] is meta and c[1] == device:
+        return c[2]
+    qsl = meta.query_start_loc
+    rows = torch.tensor([r for h in meta.state_hold for r in range(qsl[h], qsl[h + 1])],
+                        dtype=torch.int64, device=device)
+    c[:] = [meta, device, rows]
+    return rows
 
 
 # --------------------------------------------------------------------------- weight names

@@ -99,6 +99,22 @@ class _HybridMoeLM(DecoderOnlyLM):
     def make_layer(self, layer_idx: int, ffn: nn.Module) -> nn.Module:
         return HybridDecoderLayer(self.cfg, layer_idx, ffn)
 
+    def fold_held_states(self, caches: list, meta: AttentionMetadata, kept: list[int]) -> None:
+        """After a step with held sequences (``meta.state_hold``, a speculative verify's),
+        advance each one's DeltaNet states by its first ``kept[i]`` tokens (the accepted
+        drafts and the fed token before them), layer by layer from ``meta.state_log``."""
+        qsl, hold = meta.query_start_loc, meta.state_hold
+        if len(kept) != len(hold):
+            raise ValueError(f"fold: {len(kept)} verdicts for {len(hold)} held sequences")
+        lens = [qsl[h + 1] - qsl[h] for h in hold]
+        if not all(1 <= m <= n for m, n in zip(kept, lens)):
+            raise ValueError(f"fold: kept {kept} outside 1..{lens}")
+        slots = meta.state_slots[torch.tensor(hold, device=meta.state_slots.device)]
+        logged = iter(meta.state_log)
+        for layer, cache in zip(self.layers, caches):
+            if isinstance(layer.mixer, GatedDeltaNet):
+                layer.mixer.fold(next(logged), cache, slots, lens, kept)
+
     def load_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
         """Load, leaving out (with one log line each) the tensors under ``unused``."""
         skipped: dict[str, int] = dict.fromkeys(self.unused, 0)

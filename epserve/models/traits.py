@@ -357,7 +357,15 @@ class ModelAdapters(Protocol):
 
 
 class ModelSsmState(Protocol):
-    """Recurrent (SSM) state checkpoint and rollback (not implemented yet: declared absent)."""
+    """Recurrent (SSM) state around a speculative verify. The seed checkpoints, verifies,
+    rolls back to the accepted prefix and commits it (or, with ``write_on_accept``, folds the
+    accepted prefix in). Here every verify does the latter whole, on the sequence's rank inside
+    the verify step: the rows' states are held (the checkpoint is the untouched state), the
+    fold's inputs logged, and once the rank has sampled (it knows the verdict:
+    ``models.acceptance``) the fed token and accepted drafts are folded in (rollback and commit
+    in one). No call is needed around a verify; the next command's rewind (its KV) must lie
+    inside the verified window. No snapshots are kept, so no other rewind: no prefix caching,
+    and such a model cannot be a draft model."""
 
 
 class ModelDeviceFeed(Protocol):

@@ -27,7 +27,10 @@ class VerifyRun:
     at positions ``start..start + k``, every one sampled (draws ``output_index + i``). In the
     batch each position is a one-token row of its own (``RankRows``): it attends to the
     sequence's KV up to itself, which the step writes for every position first, so a verify is
-    a decode batch whose rows share a block table (the decode kernels and graphs run it)."""
+    a decode batch whose rows share a block table (the decode kernels and graphs run it). For
+    a model with recurrent state (``RankRows.recurrent``) the row is instead one sequence of
+    ``k + 1`` tokens (they run through the state in order) whose states are held and folded
+    in after the verdict (``AttentionMetadata.state_hold``)."""
 
     slot: int
     start: int
@@ -47,7 +50,9 @@ class RankRows:
     prefill row with ``sample``); ``prompt_logprobs``: per prefill row, the top-k to score its prompt
     positions with and each position's next-token target (-1: none), or None;
     ``mask_rows`` / ``mask_words``: the constrained sampled rows (indices into ``sampling``,
-    [M] int64) and their token masks ([M, ceil(V / 32)] int32), None when no row has one.
+    [M] int64) and their token masks ([M, ceil(V / 32)] int32), None when no row has one;
+    ``recurrent``: the model keeps recurrent state, so each verify row is one sequence of the
+    step's layout (see ``VerifyRun``), the same tokens in the same order.
     """
 
     decode_slots: np.ndarray
@@ -60,6 +65,7 @@ class RankRows:
     mask_rows: np.ndarray | None = None
     mask_words: np.ndarray | None = None
     verify: Sequence[VerifyRun] = ()
+    recurrent: bool = False
 
     @property
     def num_decode(self) -> int:
@@ -67,8 +73,16 @@ class RankRows:
 
     @property
     def chunked(self) -> bool:
-        """Rows of more than one token (prefill chunks)."""
-        return bool(self.prefill)
+        """Sequences of more than one token in the layout (prefill chunks, or a recurrent
+        model's verify rows)."""
+        return bool(self.prefill) or (self.recurrent and bool(self.verify))
+
+    @property
+    def first_prefill_seq(self) -> int:
+        """The index of the first prefill chunk among the layout's sequences."""
+        if self.recurrent and self.verify:
+            return self.num_decode - self.num_verify_positions + len(self.verify)
+        return self.num_decode
 
     @property
     def num_verify_positions(self) -> int:
@@ -154,11 +168,21 @@ def build_step_inputs(rows: RankRows, tables: BlockTables, block_size: int,
     nd = rows.num_decode
     dpos = rows.decode_pos
     ids, pos, kv = [rows.decode_ids], [dpos], [tables.kv_slots(rows.decode_slots, dpos, bs)]
-    seq_lens = [dpos + 1]
-    qsl = list(range(nd + 1))
     sample_index = list(range(nd))
     sampled_prefill = []
-    slots = [rows.decode_slots]
+    hold: tuple[int, ...] = ()
+    if rows.recurrent and rows.verify:  # each verify row one sequence, its states held
+        if not states:
+            raise ValueError("a recurrent model's verify rows need the state-slot section")
+        plain = nd - rows.num_verify_positions
+        seq_lens = [dpos[:plain] + 1, np.array([v.start + len(v.tokens) for v in rows.verify])]
+        qsl = list(range(plain + 1))
+        for v in rows.verify:
+            qsl.append(qsl[-1] + len(v.tokens))
+        slots = [rows.decode_slots[:plain], np.array([v.slot for v in rows.verify])]
+        hold = tuple(range(plain, plain + len(rows.verify)))
+    else:
+        seq_lens, qsl, slots = [dpos + 1], list(range(nd + 1)), [rows.decode_slots]
     for r, row in enumerate(rows.prefill):
         n, start = len(row.tokens), row.start
         p = np.arange(start, start + n, dtype=np.int64)
@@ -186,7 +210,7 @@ def build_step_inputs(rows: RankRows, tables: BlockTables, block_size: int,
         v64[3 * n2 + _align(nr, 2):][:ns] = row_slots
     v32[ns4:ns4 + ns * width].reshape(ns, width)[:] = tables.np[row_slots, :width]
     return _finish(rows, h, n, ns, nr, width, tuple(qsl), lens, tuple(sampled_prefill), bs,
-                   device, pin, states)
+                   device, pin, states, hold)
 
 
 def _decode_inputs(rows: RankRows, tables: BlockTables, bs: int, device: torch.device,
@@ -229,7 +253,8 @@ def _ranges(n: int) -> tuple[int, ...]:
 
 def _finish(rows: RankRows, h: torch.Tensor, n: int, ns: int, nr: int, width: int,
             qsl: tuple[int, ...], lens: np.ndarray, sampled_prefill: tuple[int, ...], bs: int,
-            device: torch.device, pin: bool, states: bool) -> StepInputs:
+            device: torch.device, pin: bool, states: bool,
+            hold: tuple[int, ...] = ()) -> StepInputs:
     """Copy the host buffer to ``device`` (nothing to copy on the CPU) and cut the step's
     tensors out of it."""
     n2, ns4 = _align(n, 2), _align(ns, 4)
@@ -244,6 +269,8 @@ def _finish(rows: RankRows, h: torch.Tensor, n: int, ns: int, nr: int, width: in
         block_size=bs,
         seq_lens_t=d32[:ns] if not rows.chunked else None,
         state_slots=d[at:at + ns] if states else None,
+        state_hold=hold,
+        state_log=[] if hold else None,
     )
     return StepInputs(
         input_ids=d[:n],

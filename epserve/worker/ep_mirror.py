@@ -45,8 +45,9 @@ class EpMirror:
         with the decode lookahead); elsewhere such a step is refused. ``max_logprobs``: the
         engine's bound on a row's logprobs and prompt logprobs. ``recurrent``: the model
         keeps recurrent state per sequence (gated DeltaNet), which exists only for the tokens
-        the rank ran: a new sequence starts with no KV, and there are no verify rows or
-        rewinds (no state rollback yet)."""
+        the rank ran: a new sequence starts with no KV, and a rewind only follows a verify
+        (the next applied command; to a length inside the verified window: the rank folded
+        the accepted prefix into the state, the rewind drops the rest's KV)."""
         self.world_size = world_size
         self.recurrent = recurrent
         self.max_logprobs = max_logprobs
@@ -64,6 +65,8 @@ class EpMirror:
         # the last validated command's decode rows: flat keys and positions (KV lengths)
         self.decode_keys = self.decode_pos = np.zeros(0, dtype=np.int64)
         self.verify_pos: list[int] = []  # and each verify row's first position
+        # the last applied command's verify rows: (rank, slot) -> (first position, end)
+        self.verified: dict[tuple[int, int], tuple[int, int]] = {}
 
     def num_blocks_of(self, key: tuple[int, int]) -> int:
         return int(self.nblocks[key])
@@ -81,9 +84,6 @@ class EpMirror:
             fail(f"unknown command kind {cmd.kind}")
         if cmd.kind == KIND_DECODE_AHEAD and not self.lookahead:
             fail("a decode-ahead step, but this rank runs no decode lookahead")
-        if self.recurrent and (cmd.verify or cmd.rewinds):
-            fail("verify rows or rewinds, but this model keeps recurrent state (no rollback "
-                 "yet)")
         if cmd.kind == KIND_DECODE_AHEAD and cmd.verify:
             fail("a decode-ahead step with verify rows")
         # the arrays are copied only where the command changes them (validate changes nothing)
@@ -166,6 +166,13 @@ class EpMirror:
                     and -(-r.seq_len // self.block_size) <= r.nblocks <= counts[key]):
                 fail(f"rewind of {key} to {r.seq_len} tokens in {r.nblocks} blocks: it has "
                      f"{lens[key]} tokens in {counts[key]} blocks", key)
+            if self.recurrent:
+                win = self.verified.get(key)
+                if win is None or not win[0] < r.seq_len <= win[1]:
+                    fail(f"rewind of {key} to {r.seq_len} tokens: its recurrent state can only "
+                         f"go back inside the verify just run ("
+                         f"{'none' if win is None else f'positions {win[0]}..{win[1] - 1}'})",
+                         key)
             counts[key] = r.nblocks
             lens[key] = r.seq_len
         for b in cmd.block_updates:
@@ -320,8 +327,10 @@ class EpMirror:
             self.nblocks[b.rank, b.slot] = b.first + len(b.blocks)
         if len(self.decode_keys):  # each decode row's position, kept by validate, plus one
             self.seq_len.ravel()[self.decode_keys] = self.decode_pos + 1
+        self.verified = {}
         for v, at in zip(cmd.verify, self.verify_pos):  # KV is written at every position
-            self.seq_len[v.rank, v.slot] = at + len(v.drafts) + 1
+            self.seq_len[v.rank, v.slot] = end = at + len(v.drafts) + 1
+            self.verified[(v.rank, v.slot)] = (at, end)
         for p in cmd.prefill:
             self.seq_len[p.rank, p.slot] = p.start + len(p.tokens)
 

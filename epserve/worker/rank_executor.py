@@ -67,6 +67,7 @@ class RankExecutor:
         self.failures: list[EpCommandFailed] = []
         self.last_applied = -1
         self.last_logits: Any = None  # the last step's sampled rows' logits (one rank)
+        self.folded: dict[int, int] = {}  # slot -> tokens its states hold after a verify
 
     # ------------------------------------------------------------------ one step
 
@@ -94,6 +95,7 @@ class RankExecutor:
         self._apply_local(cmd)
         err, rows, inp = None, None, None
         try:
+            self._check_folds(cmd)
             rows = self._rows(cmd)
             if rows is not None:
                 inp = self.runner.prepare(rows)
@@ -106,6 +108,16 @@ class RankExecutor:
                       else "preparation failed on another rank")
             raise EpCommandFailed(cmd.step_id, reason)
         return rows, inp
+
+    def _check_folds(self, cmd: StepCommand) -> None:
+        """A recurrent model: this rank folded each verify row's accepted prefix into its
+        states by its own verdict; the leader's rewinds must agree with it (the KV length and
+        the states cover the same tokens)."""
+        folded, self.folded = self.folded, {}
+        for r in cmd.rewinds:
+            if r.rank == self.rank and self.mirror.recurrent and folded.get(r.slot) != r.seq_len:
+                raise ValueError(f"rewind of slot {r.slot} to {r.seq_len} tokens: its states "
+                                 f"hold {folded.get(r.slot)}")
 
     def _apply_local(self, cmd: StepCommand) -> None:
         me, tables = self.rank, self.runner.tables
@@ -155,7 +167,8 @@ class RankExecutor:
                 sampling.append(samp[p.slot])
                 output_index.append(p.output_index)
         rows = RankRows(slot, pos, ids, prefill, sampling, output_index,
-                        [self._prompt_logprobs(p) for p in prefill], verify=verify)
+                        [self._prompt_logprobs(p) for p in prefill], verify=verify,
+                        recurrent=self.mirror.recurrent)
         return self._with_masks(rows, cmd) if cmd.masks else rows
 
     def _verify_run(self, v: Any, at: int) -> VerifyRun:
@@ -202,10 +215,16 @@ class RankExecutor:
         nd = rows.num_decode - nv  # the decode rows; then the verify positions
         tokens, at = out.tokens, nd
         verified: dict[int, list] = {}
+        kept = []
         for v in rows.verify:  # the target's token at each position; the accepted prefix is
             run = verified[v.slot] = tokens[at:at + len(v.tokens)]  # the drafts it equals,
             at += len(v.tokens)  # and the token after them is emitted
-            self.last_token[v.slot] = run[accepted(v.drafts, run)].token_id
+            a = accepted(v.drafts, run)
+            self.last_token[v.slot] = run[a].token_id
+            kept.append(a + 1)
+            self.folded[v.slot] = v.start + a + 1
+        if rows.recurrent and kept:  # the held states take the fed token and accepted drafts
+            self.runner.fold_verified(inp, kept)
         if nv:
             tokens = tokens[:nd] + tokens[nd + nv:]
         slots = rows.decode_slots[:nd].tolist() + [p.slot for p in rows.prefill if p.sample]

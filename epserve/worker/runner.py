@@ -190,7 +190,7 @@ class Runner:
                          qsl: tuple[int, ...]) -> dict[int, list[PromptTokenLogprob]]:
         """Score each collecting prefill row's prompt positions; ``qsl``: row starts in hidden."""
         out: dict[int, list[PromptTokenLogprob]] = {}
-        nd = rows.num_decode
+        nd = rows.first_prefill_seq
         for r, want in enumerate(rows.prompt_logprobs):
             if want is None:
                 continue
@@ -203,6 +203,13 @@ class Runner:
             out[rows.prefill[r].slot] = prompt_logprobs_rows(
                 logits, [targets[i] for i in scored], k)
         return out
+
+    @torch.inference_mode()
+    def fold_verified(self, inp: StepInputs, kept: list[int]) -> None:
+        """After a step with a recurrent model's verify rows (their states held): advance
+        each row's states by its first ``kept[i]`` tokens, the fed token and the accepted
+        drafts (``ModelSsmState``'s rollback to, and commit of, the accepted prefix)."""
+        self.model.fold_held_states(self.kv_caches, inp.meta, kept)
 
     @torch.inference_mode()
     def empty_forward(self) -> None:

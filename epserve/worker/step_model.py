@@ -105,9 +105,10 @@ class StepModel(ForwardForms, KvLifecycle):
     # ------------------------------------------------------------------ facts
 
     def capabilities(self) -> frozenset[str]:
-        extra = ({"ep"} if self.world_size > 1 else {"logits"}) | (  # recurrent: no rollback
-            {"verify"} if self.runner.spare_state_slot is None else set())
-        return frozenset({"forward", "lifecycle", "streams", "circuit"} | extra)
+        extra = {"ep"} if self.world_size > 1 else {"logits"}
+        if self.runner.spare_state_slot is not None:  # recurrent state: each verify folds
+            extra.add("ssm_state")  # its accepted prefix in on the rank (``ModelSsmState``)
+        return frozenset({"forward", "lifecycle", "streams", "circuit", "verify"} | extra)
 
     def forward_disclosure(self) -> ForwardDisclosure:
         return ForwardDisclosure()

@@ -3,8 +3,9 @@ them, against transformers fp32: greedy continuations token-identical and logpro
 logprobs) within 1e-4, with the prompts chunked across the linear-attention layers, a KV pool
 small enough to preempt (a preempted sequence recomputes its state from zero) and requests
 arriving while others run. What hybrids cannot do yet is refused or reported, never ignored:
-prefix caching is off (no state snapshots), speculative decoding and the decode lookahead are
-refused, and every rank refuses a command that would need state it does not have."""
+prefix caching is off (no state snapshots), the decode lookahead and serving as a draft model
+are refused, and every rank refuses a command that would need state it does not have
+(speculative decoding on hybrids: tests/cpu/test_hybrid_spec.py)."""
 
 from __future__ import annotations
 
@@ -13,9 +14,9 @@ import random
 import pytest
 
 from epserve import LLM, SamplingParams
-from epserve.models.traits import CapabilityAbsent, EpCommandFailed, RowSampling
+from epserve.models.traits import EpCommandFailed, RowSampling
 from epserve.worker.ep_mirror import EpMirror
-from epserve.worker.step_command import NewSeq, Rewind, StepCommand, VerifyRow
+from epserve.worker.step_command import NewSeq, Rewind, StepCommand
 from oracle import hf_greedy, hf_prompt_logprobs
 from tiny_ckpt import make_tiny_checkpoint
 
@@ -73,24 +74,27 @@ def test_prefix_caching_is_off_and_reported(hybrid_ckpt, caplog):
     assert again.outputs[0].token_ids == first.outputs[0].token_ids
 
 
-def test_what_hybrids_cannot_do_yet_is_refused(hybrid_ckpt):
-    with pytest.raises(CapabilityAbsent, match="speculative decoding.*verify"):
-        LLM(model=str(hybrid_ckpt), dtype="float32",
-            speculative_config={"method": "ngram", "num_speculative_tokens": 2})
+def test_what_hybrids_cannot_do_yet_is_refused(hybrid_ckpt, qwen3_ckpt):
     with pytest.raises(ValueError, match="decode_lookahead.*recurrent state"):
         LLM(model=str(hybrid_ckpt), dtype="float32", decode_lookahead=True)
+    # a draft model's drafts are rewound anywhere; a recurrent state only inside a verify
+    with pytest.raises(ValueError, match="draft model with recurrent state"):
+        LLM(model=str(qwen3_ckpt), dtype="float32", speculative_config={
+            "method": "draft_model", "model": str(hybrid_ckpt), "num_speculative_tokens": 2})
 
 
 def test_every_rank_refuses_a_command_needing_state_it_lacks():
     """A recurrent model's state exists only for the tokens the rank ran: a new sequence with
-    KV already (a prefix hit), a verify row or a rewind is EpCommandFailed naming it."""
+    KV already (a prefix hit), or a rewind with no verify before it, is EpCommandFailed
+    naming it."""
     m = EpMirror(world_size=2, num_blocks=8, block_size=4, max_slots=4, max_blocks_per_seq=4,
                  vocab_size=70, recurrent=True)
     bad = [StepCommand(step_id=0, new_seqs=(NewSeq(1, 2, 4, 6, -1, RowSampling()),)),
-           StepCommand(step_id=1, verify=(VerifyRow(0, 0, 5, 1, (7,)),)),
-           StepCommand(step_id=2, rewinds=(Rewind(0, 0, 1, 1),))]
-    for cmd, why in zip(bad, ("KV for 4 tokens.*recurrent state", "verify.*recurrent", "rewinds.*recurrent")):
-        with pytest.raises(EpCommandFailed, match=why):
+           StepCommand(step_id=1, new_seqs=(NewSeq(1, 2, 0, 6, -1, RowSampling()),),
+                       rewinds=(Rewind(1, 2, 0, 0),))]
+    for cmd, why in zip(bad, ("KV for 4 tokens.*recurrent state", "can only go back inside")):
+        with pytest.raises(EpCommandFailed, match=why) as exc:
             m.validate(cmd)
-    ok = StepCommand(step_id=3, new_seqs=(NewSeq(1, 2, 0, 6, -1, RowSampling()),))
+        assert exc.value.bad_rows == ((1, 2),)
+    ok = StepCommand(step_id=2, new_seqs=(NewSeq(1, 2, 0, 6, -1, RowSampling()),))
     m.validate(ok)  # the same sequence from zero is fine

@@ -1,18 +1,23 @@
 """Gated-DeltaNet hybrids under expert parallelism, as a user of LLM(ep_size=N) sees them: each
 sequence's recurrent state lives on the rank that runs its attention (nothing is mirrored), the
 routed experts are sharded, and the outputs over N ranks equal one rank's, with chunked prefill
-across the linear-attention layers, preemption and sequences spread over the ranks."""
+across the linear-attention layers, preemption and sequences spread over the ranks; with
+n-gram speculation too."""
 
 from __future__ import annotations
 
 import random
+import time
 
 import pytest
 
 from epserve import LLM, SamplingParams
+from spec_ckpt import counting_prompts, make_successor_checkpoint
 from tiny_ckpt import make_tiny_checkpoint
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True, logprobs=0)
+NGRAM = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 3,
+         "prompt_lookup_min": 1}
 STRESS = dict(dtype="float32", block_size=4, num_kv_blocks=40, max_num_batched_tokens=24,
               long_prefill_token_threshold=8)
 
@@ -35,3 +40,27 @@ def test_hybrid_over_ep_matches_one_rank(ray_cluster, tmp_path, arch, ep_size):
     for g, w in zip(got, want):
         assert [d[t].logprob for d, t in zip(g.logprobs, g.token_ids)] == pytest.approx(
             [d[t].logprob for d, t in zip(w.logprobs, w.token_ids)], abs=1e-5)
+
+
+def test_speculation_on_a_hybrid_over_ep_matches_one_rank(ray_cluster, tmp_path):
+    """n-gram drafts verified on the ranks that hold each sequence's states (each folds the
+    accepted prefix in by its own verdict): the tokens and logprobs of one rank without
+    speculation, with drafts accepted and rejected."""
+    ckpt = make_successor_checkpoint("qwen3_next", tmp_path / "succ", num_experts=6)
+    prompts = [{"prompt_token_ids": p} for p in counting_prompts()]
+    want = [o.outputs[0] for o in LLM(model=str(ckpt), **STRESS).generate(prompts, GREEDY)]
+    ep = LLM(model=str(ckpt), ep_size=2, speculative_config=NGRAM, **STRESS)
+    try:
+        got = [o.outputs[0] for o in ep.generate(prompts, GREEDY)]
+        deadline = time.monotonic() + 10  # the head publishes its counters just after
+        while (stats := ep.stats())["generation_tokens"] < GREEDY.max_tokens * len(prompts):
+            assert time.monotonic() < deadline, stats
+            time.sleep(0.05)
+        spec = stats["spec_decode"]
+    finally:
+        ep.close()
+    assert [g.token_ids for g in got] == [w.token_ids for w in want]
+    for g, w in zip(got, want):
+        assert [d[t].logprob for d, t in zip(g.logprobs, g.token_ids)] == pytest.approx(
+            [d[t].logprob for d, t in zip(w.logprobs, w.token_ids)], abs=1e-5)
+    assert 0 < spec["num_accepted_tokens"] < spec["num_draft_tokens"], spec
