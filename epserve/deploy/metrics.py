@@ -2,8 +2,10 @@
 
 Invariants: gauges and counters are read from ``HeadActor.stats()`` at scrape time (the engine
 is their single source of truth, so every ingress replica reports the same values);
-latency histograms are observed in this ingress from stream timing; every series carries the
-``model_name`` label, as vLLM's do; each ingress owns its own registry (no global state);
+latency histograms are observed in this ingress from stream timing; every series carries
+vLLM V1's ``model_name`` and ``engine`` labels (``engine="0"``: one engine per app, as a vLLM
+server without data parallelism), ``vllm:cache_config_info`` included; each ingress owns its
+own registry (no global state);
 the speculative-decoding counters exist only on a server with a speculative_config, as in vLLM.
 """
 
@@ -57,6 +59,9 @@ SPEC_DECODE_COUNTERS = (
 
 #: finished_reason label values of vllm:request_success_total (always exported, even at 0).
 FINISHED_REASONS = ("stop", "length", "abort", "error")
+#: vLLM V1's label set of every per-engine series, and this server's one engine's index.
+LABELS = ["model_name", "engine"]
+ENGINE_INDEX = "0"
 
 
 class _EngineCollector:
@@ -70,7 +75,7 @@ class _EngineCollector:
         return []  # families are made per scrape; nothing to pre-register
 
     def collect(self) -> Iterable[Metric]:
-        s, labels = self.stats, [self.model_name]
+        s, labels = self.stats, [self.model_name, ENGINE_INDEX]
         gauges = (("vllm:num_requests_running", "Requests in model execution batches.",
                    "num_running"),
                   ("vllm:num_requests_waiting", "Requests waiting to be processed.",
@@ -78,7 +83,7 @@ class _EngineCollector:
                   ("vllm:kv_cache_usage_perc", "KV-cache usage. 1 means 100 percent usage.",
                    "kv_usage"))
         for name, doc, key in gauges:
-            g = GaugeMetricFamily(name, doc, labels=["model_name"])
+            g = GaugeMetricFamily(name, doc, labels=LABELS)
             g.add_metric(labels, float(s.get(key, 0)))
             yield g
         counters = (("vllm:prompt_tokens", "Prefill tokens processed.", "prompt_tokens"),
@@ -91,7 +96,7 @@ class _EngineCollector:
                      ("vllm:prefix_cache_hits", "Prefix cache hits, in terms of number of "
                       "cached tokens.", "prefix_cache_hits"))
         for name, doc, key in counters:
-            c = CounterMetricFamily(name, doc, labels=["model_name"])
+            c = CounterMetricFamily(name, doc, labels=LABELS)
             c.add_metric(labels, float(s.get(key, 0)))
             yield c
         hists = s.get("histograms") or {}
@@ -103,31 +108,32 @@ class _EngineCollector:
             for bound, count in zip([*map(float, bounds), float("inf")], counts):
                 acc += count
                 cum.append(("+Inf" if bound == float("inf") else repr(bound), acc))
-            h = HistogramMetricFamily(name, doc, labels=["model_name"])
+            h = HistogramMetricFamily(name, doc, labels=LABELS)
             h.add_metric(labels, cum, float(total))
             yield h
         finished = dict(s.get("finished") or {})
         c = CounterMetricFamily("vllm:request_success", "Count of successfully processed "
                                 "requests (per completion), by finish reason.",
-                                labels=["model_name", "finished_reason"])
+                                labels=[*LABELS, "finished_reason"])
         for reason in sorted(set(FINISHED_REASONS) | set(finished)):
-            c.add_metric([self.model_name, str(reason)], float(finished.get(reason, 0)))
+            c.add_metric([*labels, str(reason)], float(finished.get(reason, 0)))
         yield c
         yield from self._spec_decode(s.get("spec_decode"))
 
     def _spec_decode(self, spec: Mapping[str, Any] | None) -> Iterable[Metric]:
         if spec is None:  # speculation not configured: no series at all
             return
+        labels = [self.model_name, ENGINE_INDEX]
         for name, doc, key in SPEC_DECODE_COUNTERS:
-            c = CounterMetricFamily(name, doc, labels=["model_name"])
-            c.add_metric([self.model_name], float(spec.get(key, 0)))
+            c = CounterMetricFamily(name, doc, labels=LABELS)
+            c.add_metric(labels, float(spec.get(key, 0)))
             yield c
         c = CounterMetricFamily("vllm:spec_decode_num_accepted_tokens_per_pos",
                                 "Drafted tokens the model accepted, by position in the draft "
                                 "(0 is the first drafted token).",
-                                labels=["model_name", "position"])
+                                labels=[*LABELS, "position"])
         for pos, n in enumerate(spec.get("accepted_per_pos") or ()):
-            c.add_metric([self.model_name, str(pos)], float(n))
+            c.add_metric([*labels, str(pos)], float(n))
         yield c
 
 
@@ -138,21 +144,25 @@ class ServerMetrics:
         self.model_name = model_name
         self.registry = CollectorRegistry(auto_describe=False)
         if cache_config:
+            info_labels = {**cache_config, "engine": ENGINE_INDEX}  # vLLM adds the engine's
             info = prometheus_client.Gauge("vllm:cache_config_info",
                                            "Information of the LLMEngine CacheConfig",
-                                           labelnames=sorted(cache_config),
+                                           labelnames=sorted(info_labels),
                                            registry=self.registry)
-            info.labels(**cache_config).set(1)
+            info.labels(**info_labels).set(1)
         self._engine = _EngineCollector(model_name)
         self.registry.register(self._engine)
         def hist(name: str, text: str, buckets: Any) -> Any:
-            return Histogram(name, text, buckets=buckets, labelnames=["model_name"],
-                             registry=self.registry).labels(model_name)
+            return Histogram(name, text, buckets=buckets, labelnames=LABELS,
+                             registry=self.registry).labels(model_name, ENGINE_INDEX)
 
         self.ttft = hist("vllm:time_to_first_token_seconds",
                          "Histogram of time to first token in seconds.", TTFT_BUCKETS)
         self.tpot = hist("vllm:time_per_output_token_seconds",
                          "Histogram of time per output token in seconds.", TPOT_BUCKETS)
+        self.request_tpot = hist("vllm:request_time_per_output_token_seconds",
+                                 "Histogram of time_per_output_token_seconds per request.",
+                                 TPOT_BUCKETS)
         self.e2e = hist("vllm:e2e_request_latency_seconds",
                         "Histogram of end-to-end request latency in seconds.", E2E_BUCKETS)
         self.itl = hist("vllm:inter_token_latency_seconds",
@@ -175,11 +185,13 @@ class ServerMetrics:
 class RequestTimer:
     """Timing of one engine request, from its arrival at the ingress to its last token:
     TTFT once, one TPOT per output that brought tokens after the first (the gap divided by
-    the tokens it brought), e2e once when the request finishes."""
+    the tokens it brought), e2e once when the request finishes, and then vLLM V1's per-request
+    TPOT: the time from the first token to the last over the tokens after the first (0 for
+    one token)."""
 
     def __init__(self, metrics: ServerMetrics, start: float):
         self.metrics = metrics
-        self.start = self.last = start
+        self.start = self.last = self.first = start
         self.tokens = 0
         self.done = False
 
@@ -193,6 +205,7 @@ class RequestTimer:
         if new > 0:
             if self.tokens == 0:
                 self.metrics.ttft.observe(now - self.start)
+                self.first = now
             else:
                 self.metrics.tpot.observe((now - self.last) / new)
                 self.metrics.itl.observe(now - self.last)
@@ -200,5 +213,7 @@ class RequestTimer:
         if out.finished:
             self.done = True
             self.metrics.e2e.observe(now - self.start)
+            self.metrics.request_tpot.observe(
+                (self.last - self.first) / (total - 1) if total > 1 else 0.0)
             self.metrics.prompt_tokens.observe(len(out.prompt_token_ids))
             self.metrics.generation_tokens.observe(total)

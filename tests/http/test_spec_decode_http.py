@@ -207,7 +207,8 @@ def test_metrics_count_drafts_and_acceptances(spec_server, spec_client):
         assert f"# TYPE {name} counter" in text, name
     lines = [ln for ln in text.splitlines() if ln.startswith(PER_POS + "{")]
     assert sorted(lines) == sorted(
-        f'{PER_POS}{{model_name="demo-spec",position="{p}"}} {per_pos[p]}' for p in range(K))
+        f'{PER_POS}{{engine="0",model_name="demo-spec",position="{p}"}} {per_pos[p]}'
+        for p in range(K))  # vLLM V1's labels: the model, the engine, the position
 
 
 def test_a_server_without_speculation_exports_no_spec_decode_metrics(client, server):
