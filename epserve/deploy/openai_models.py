@@ -332,6 +332,7 @@ def sampling_kwargs(req: _SamplingRequest, *, max_tokens: int | None, logprobs: 
             kw[name] = v
     if isinstance(kw["stop"], list):
         kw["stop"] = list(kw["stop"])
+    _check_logprobs(kw, limits.max_logprobs)
     if req.logit_bias:
         kw["logit_bias"] = _bias_by_id(req.logit_bias)
     # a 400 naming the field when invalid
@@ -343,6 +344,17 @@ def sampling_kwargs(req: _SamplingRequest, *, max_tokens: int | None, logprobs: 
     except ValueError as exc:
         raise from_value_error(exc) from None
     return kw
+
+
+def _check_logprobs(kw: dict[str, Any], max_logprobs: int) -> None:
+    """vLLM's refusal, word for word (clients match it), of more logprobs than
+    ``--max-logprobs``; ``param`` the field (chat's ``top_logprobs`` is ``logprobs``, as
+    vLLM's)."""
+    for name, kind in (("logprobs", "sample"), ("prompt_logprobs", "prompt")):
+        v = kw.get(name)
+        if type(v) is int and v > max_logprobs:
+            raise bad_request(f"Requested {kind} logprobs of {v}, which is greater than max "
+                              f"allowed: {max_logprobs}", param=name)
 
 
 def _bias_by_id(bias: dict[str, float]) -> dict[int, float]:
