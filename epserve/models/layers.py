@@ -20,7 +20,8 @@ from torch import nn
 from epserve.kernels.attention import AttentionMetadata
 from epserve.kernels.linear import linear
 from epserve.kernels.moe import fused_moe
-from epserve.kernels.norm import fused_add_rms_norm, rms_norm, zero_centred_rms_norm
+from epserve.kernels.norm import (fused_add_rms_norm, fused_add_zero_centred_rms_norm, rms_norm,
+                                  zero_centred_rms_norm)
 from epserve.kernels.rope import apply_rope, build_rope_cache
 from epserve.kernels.rope_attention import rope_and_attend
 from epserve.kernels.router import add_norm_router, topk_softmax
@@ -49,7 +50,8 @@ class RMSNorm(nn.Module):
 
 class ZeroCentredRMSNorm(nn.Module):
     """RMSNorm whose weight is stored around 0 and applied as ``1 + weight`` (Qwen3-Next,
-    Qwen3.5); the same calls as ``RMSNorm``, the residual added first when given."""
+    Qwen3.5); the same calls as ``RMSNorm``, the residual added first when given (one launch
+    on the Triton path, the 1 added to the weight in float32 inside it)."""
 
     def __init__(self, size: int, eps: float):
         super().__init__()
@@ -59,8 +61,7 @@ class ZeroCentredRMSNorm(nn.Module):
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None):
         if residual is None:
             return zero_centred_rms_norm(x, self.weight, self.eps)
-        residual = x + residual
-        return zero_centred_rms_norm(residual, self.weight, self.eps), residual
+        return fused_add_zero_centred_rms_norm(x, residual, self.weight, self.eps)
 
 
 class RotaryEmbedding(nn.Module):

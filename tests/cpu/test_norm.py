@@ -1,5 +1,6 @@
 """RMSNorm and fused residual-add + RMSNorm: the references against the dense formula (the
-public entries on both paths), and the Triton kernel (interpreter on CPU) against the refs.
+public entries on both paths), and the Triton kernel (interpreter on CPU) against the refs. The
+hybrids' zero-centred and gated norms: test_norm_hybrid.py.
 
 Tolerances: fp32 atol/rtol 1e-5 (only the float32 sum-of-squares order differs from torch);
 fp16 atol/rtol 2e-3 (at most one half-precision ulp from a differently rounded float32 value).
