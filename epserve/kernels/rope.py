@@ -8,8 +8,9 @@ rotate and the rest pass through. The rotation runs in float32 and returns the i
 
 ``apply_qk_norm_rope`` (per-head q/k RMSNorm, then rope; optionally this step's paged KV write
 too) runs ``epserve.kernels.triton.rope`` (one launch, in place, CUDA-graph capturable) where
-``dispatch.use_triton`` says so and the layout is one it covers; the reference (then
-``write_kv``) otherwise; partial rotary always runs the reference.
+``dispatch.use_triton`` says so and the layout is one it covers (partial rotary included); the
+reference (then ``write_kv``) otherwise. With ``zero_centred`` the q/k norm weights are the
+hybrids' zero-centred ones (``zero_centred_rms_norm_ref``: ``1 + w`` in float32).
 """
 
 from __future__ import annotations
@@ -18,7 +19,7 @@ import torch
 
 from epserve.kernels.dispatch import DTYPES, use_triton
 from epserve.kernels.kv_write import check_kv_args, write_kv
-from epserve.kernels.norm import rms_norm_ref
+from epserve.kernels.norm import rms_norm_ref, zero_centred_rms_norm_ref
 
 
 def build_rope_cache(head_dim: int, max_positions: int, theta: float,
@@ -71,13 +72,16 @@ def apply_qk_norm_rope_ref(q: torch.Tensor, k: torch.Tensor, positions: torch.Te
                            cos_cache: torch.Tensor, sin_cache: torch.Tensor,
                            q_weight: torch.Tensor | None = None,
                            k_weight: torch.Tensor | None = None,
-                           eps: float = 1e-6) -> tuple[torch.Tensor, torch.Tensor]:
-    """Per-head RMSNorm of q / k over D with q_weight / k_weight [D] (each only when given),
-    then ``rope_ref``. Shapes as ``rope_ref``; returns new (q, k), inputs untouched."""
+                           eps: float = 1e-6, zero_centred: bool = False
+                           ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per-head RMSNorm of q / k over D with q_weight / k_weight [D] (each only when given;
+    ``zero_centred_rms_norm_ref`` with ``zero_centred``), then ``rope_ref``. Shapes as
+    ``rope_ref``; returns new (q, k), inputs untouched."""
+    norm = zero_centred_rms_norm_ref if zero_centred else rms_norm_ref
     if q_weight is not None:
-        q = rms_norm_ref(q, q_weight, eps)
+        q = norm(q, q_weight, eps)
     if k_weight is not None:
-        k = rms_norm_ref(k, k_weight, eps)
+        k = norm(k, k_weight, eps)
     return rope_ref(q, k, positions, cos_cache, sin_cache)
 
 
@@ -86,15 +90,16 @@ def apply_qk_norm_rope(q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor
                        q_weight: torch.Tensor | None = None, k_weight: torch.Tensor | None = None,
                        eps: float = 1e-6, *, v: torch.Tensor | None = None,
                        k_cache: torch.Tensor | None = None, v_cache: torch.Tensor | None = None,
-                       slot_mapping: torch.Tensor | None = None
+                       slot_mapping: torch.Tensor | None = None, zero_centred: bool = False
                        ) -> tuple[torch.Tensor, torch.Tensor]:
     """Public entry for ``apply_qk_norm_rope_ref``, IN PLACE on every path; with the KV
     arguments it then also writes this step's K/V as ``write_kv_ref(k, v, k_cache, v_cache,
     slot_mapping)`` on the normed + rotated k (one launch on the Triton path).
 
     q: [T, Hq, D]; k: [T, Hkv, D] (may be strided views, e.g. of one fused qkv output);
-    positions: [T]; cos_cache, sin_cache: [P, R/2] (R <= D: partial rotary when less, on the
-    reference); q_weight, k_weight: [D] or None. Writes the result into q and k and returns
+    positions: [T]; cos_cache, sin_cache: [P, R/2] (R <= D: partial rotary when less);
+    q_weight, k_weight: [D] or None (zero-centred with ``zero_centred``). Writes the result into
+    q and k and returns
     them (the same objects). v: [T, Hkv, D]; k_cache, v_cache:
     [NB, BS, Hkv, D]; slot_mapping: [T] (-1: a padded row, writes nothing); all four or none.
     """
@@ -122,9 +127,9 @@ def apply_qk_norm_rope(q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor
 
         return qk_norm_rope_triton(q, k, positions, cos_cache, sin_cache, q_weight, k_weight, eps,
                                    v=v, k_cache=k_cache, v_cache=v_cache,
-                                   slot_mapping=slot_mapping)
+                                   slot_mapping=slot_mapping, zero_centred=zero_centred)
     q_new, k_new = apply_qk_norm_rope_ref(q, k, positions, cos_cache, sin_cache, q_weight,
-                                          k_weight, eps)
+                                          k_weight, eps, zero_centred)
     q.copy_(q_new)
     k.copy_(k_new)
     if with_kv:
@@ -133,9 +138,11 @@ def apply_qk_norm_rope(q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor
 
 
 def _runs_triton(q, k, positions, cos_cache, sin_cache, q_weight, k_weight, kv=()) -> bool:
-    """``use_triton`` and a layout the kernel covers (full rotary only); ``kv``: (v, k_cache,
-    v_cache, slot_mapping) when the KV write is fused in, else empty."""
-    if (cos_cache.shape[-1] * 2 != q.shape[-1] or q.dtype not in DTYPES or k.dtype != q.dtype
+    """``use_triton`` and a layout the kernel covers (an even head dim, full or partial rotary,
+    no zero-width cache); ``kv``: (v, k_cache, v_cache, slot_mapping) when the KV write is fused
+    in, else empty."""
+    if (cos_cache.dim() != 2 or cos_cache.shape[-1] < 1 or q.shape[-1] % 2
+            or q.dtype not in DTYPES or k.dtype != q.dtype
             or q.stride(2) != 1 or k.stride(2) != 1 or cos_cache.stride(-1) != 1
             or sin_cache.stride(-1) != 1 or positions.dtype not in (torch.int64, torch.int32)):
         return False

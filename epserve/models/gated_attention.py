@@ -8,6 +8,10 @@ dims (R = D * partial_rotary_factor). It is GQA attention over the paged KV cach
 - q / k are RMS-normed per head with zero-centred weights (``1 + w``);
 - only the first R dims of each head rotate (partial rotary), and the attention output is
   multiplied by ``sigmoid(gate)`` before ``o_proj``.
+
+All of that between the two projections is one call, ``rope_and_attend`` with the zero-centred
+q/k weights and the gate (a view of the projection, never copied): on CUDA a decode step is one
+launch (norms, rope, KV write, attention, gate), any other step two plus the gate in torch.
 """
 
 from __future__ import annotations
@@ -45,18 +49,19 @@ class GatedAttention(nn.Module):
                 rope: RotaryEmbedding) -> torch.Tensor:
         """x: [T, H]; kv_cache: ([NB, BS, Hkv, D], same). Writes this step's K/V; returns [T, H]."""
         t, qs, ks = x.shape[0], self.q_size, self.kv_size
+        hq, hkv, d = self.num_heads, self.num_kv_heads, self.head_dim
         qkvg = linear(x, self.qkvg_proj.weight)  # [T, 2 Hq D + 2 Hkv D]
-        q = self.q_norm(qkvg[:, :qs].view(t, self.num_heads, self.head_dim))  # [T, Hq, D], new
-        gate = qkvg[:, qs:2 * qs]  # [T, Hq D]
-        k = self.k_norm(qkvg[:, 2 * qs:2 * qs + ks].view(t, self.num_kv_heads, self.head_dim))
-        v = qkvg[:, 2 * qs + ks:].view(t, self.num_kv_heads, self.head_dim)
+        q = qkvg[:, :qs].view(t, hq, d)  # [T, Hq, D] views of the projection
+        gate = qkvg[:, qs:2 * qs].view(t, hq, d)
+        k = qkvg[:, 2 * qs:2 * qs + ks].view(t, hkv, d)
+        v = qkvg[:, 2 * qs + ks:].view(t, hkv, d)
         k_cache, v_cache = kv_cache
-        # q and k are normed already (no weights passed): rope (the first R dims) in place,
-        # this step's K/V into the paged cache, then paged attention.
-        out = rope_and_attend(q, k, v, positions, rope.cos_cache, rope.sin_cache, None, None,
-                              self.q_norm.eps, k_cache, v_cache, meta, self.scale)
-        out = out.reshape(t, qs) * torch.sigmoid(gate)
-        return linear(out, self.o_proj.weight)  # [T, H]
+        # Zero-centred q/k norms and rope (the first R dims) in place, this step's K/V into the
+        # paged cache, paged attention, times sigmoid(gate).
+        out = rope_and_attend(q, k, v, positions, rope.cos_cache, rope.sin_cache,
+                              self.q_norm.weight, self.k_norm.weight, self.q_norm.eps, k_cache,
+                              v_cache, meta, self.scale, zero_centred=True, gate=gate)
+        return linear(out.reshape(t, qs), self.o_proj.weight)  # [T, H]
 
     def cache_spec(self) -> KvCacheSpec:
         return KvCacheSpec(self.num_kv_heads, self.head_dim)

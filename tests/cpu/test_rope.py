@@ -68,12 +68,18 @@ def test_partial_rotary_rotates_the_first_dims_only():
 
 
 @needs_triton
-def test_partial_rotary_runs_the_reference_where_triton_would_run(interpret):
+def test_partial_rotary_runs_the_kernel(interpret, monkeypatch):
+    """Partial rotary takes the kernel (its cases: test_rope_partial.py), equal to the ref."""
     q, k, pos, _, _, qw, kw, _ = _qk_case(3, 4, 2, 16, torch.float32, seed=15)
     cos, sin = build_rope_cache(8, 64, 10000.0)
     ref_q, ref_k = apply_qk_norm_rope_ref(q, k, pos, cos, sin, qw, kw)
+    calls = []
+    kernel = rt.qk_norm_rope_triton
+    monkeypatch.setattr(rt, "qk_norm_rope_triton", lambda *a, **kw: calls.append(1) or kernel(*a, **kw))
     apply_qk_norm_rope(q, k, pos, cos, sin, qw, kw)
-    assert torch.equal(q, ref_q) and torch.equal(k, ref_k)
+    assert calls == [1]
+    _close(q, ref_q, torch.float32)
+    _close(k, ref_k, torch.float32)
 
 
 # --------------------------------------------------------------------------- q/k norm + rope
@@ -150,8 +156,11 @@ def test_qk_norm_rope_errors(interpret):
         rt.qk_norm_rope_triton(q, k[..., :8], pos, cos, sin)
     with pytest.raises(ValueError, match="positions"):
         rt.qk_norm_rope_triton(q, k, pos[:1], cos, sin)
+    with pytest.raises(ValueError, match="caches"):  # more rotary dims than the head
+        rt.qk_norm_rope_triton(q, k, pos, torch.cat([cos, cos[:, :1]], 1),
+                               torch.cat([sin, sin[:, :1]], 1))
     with pytest.raises(ValueError, match="caches"):
-        rt.qk_norm_rope_triton(q, k, pos, cos[:, :4], sin[:, :4])
+        rt.qk_norm_rope_triton(q, k, pos, cos[:, :4], sin[:, :3])
     with pytest.raises(ValueError, match="share one of"):
         rt.qk_norm_rope_triton(q, k.half(), pos, cos, sin)
     with pytest.raises(ValueError, match="contiguous last dim"):

@@ -7,6 +7,9 @@ The definition is ``attention.paged_attention_ref``; this is a faster implementa
 so ``BLOCK_N`` need not relate to ``block_size``), and keeps an online softmax in float32, so
 each K/V element is read once per kv head. The new row sits at position ``seq_len - 1`` and sees
 every key before it (and, with a sliding window ``W``, only keys at positions ``>= seq_len - W``).
+With HAS_GATE (the fused rope + decode kernel's gated attention, Qwen3-Next / Qwen3.5) each
+output row is multiplied by ``sigmoid(gate)`` before it is stored, rounded as torch's
+``out * torch.sigmoid(gate)`` (the output and the sigmoid each in their dtype first).
 """
 
 from __future__ import annotations
@@ -44,13 +47,13 @@ def _decode_tile(q, k_ptr, v_ptr, bt_row, start, seq_len, lo, kvh, m_i, l_i, acc
 
 @triton.jit(do_not_specialize=["stride_bts"])  # table width varies per eager step
 def _paged_decode_kernel(
-    q_ptr, k_ptr, v_ptr, bt_ptr, sl_ptr, o_ptr,
-    stride_qs, stride_qh, stride_os, stride_oh, stride_bts,
+    q_ptr, k_ptr, v_ptr, bt_ptr, sl_ptr, o_ptr, g_ptr,
+    stride_qs, stride_qh, stride_os, stride_oh, stride_gs, stride_gh, stride_bts,
     stride_kb, stride_kt, stride_kh,
     scale_log2, window, block_size,
     GROUP: tl.constexpr, GROUP_P: tl.constexpr, D: tl.constexpr, D_P: tl.constexpr,
     BLOCK_N: tl.constexpr, HAS_WINDOW: tl.constexpr, PRECISION: tl.constexpr,
-    WHILE_LOOP: tl.constexpr,
+    WHILE_LOOP: tl.constexpr, HAS_GATE: tl.constexpr,
 ):
     """Program (sequence s, kv head kvh): its GROUP query heads against the sequence's KV,
     output rows stored. Also called inline by the fused rope + decode kernel, whose programs
@@ -96,6 +99,11 @@ def _paged_decode_kernel(
                 PRECISION)
 
     out = acc / l_i[:, None]
+    if HAS_GATE:  # out * sigmoid(gate), each rounded to its dtype first (torch's order)
+        gate = tl.load(g_ptr + s * stride_gs + heads[:, None] * stride_gh + offs_d[None, :],
+                       mask=qg_mask, other=0.0)
+        sig = tl.sigmoid(gate.to(tl.float32)).to(gate.dtype).to(tl.float32)
+        out = out.to(o_ptr.dtype.element_ty).to(tl.float32) * sig
     tl.store(o_ptr + s * stride_os + heads[:, None] * stride_oh + offs_d[None, :],
              out.to(o_ptr.dtype.element_ty), mask=qg_mask)
 
@@ -143,8 +151,8 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     if s == 0:
         return out
     _paged_decode_kernel[(s, hkv)](
-        q, k_cache, v_cache, block_tables, seq_lens_t, out,
-        q.stride(0), q.stride(1), out.stride(0), out.stride(1), block_tables.stride(0),
+        q, k_cache, v_cache, block_tables, seq_lens_t, out, out,
+        q.stride(0), q.stride(1), out.stride(0), out.stride(1), 0, 0, block_tables.stride(0),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         float(scale) * 1.4426950408889634, int(sliding_window or 0), bs,
         **consts, num_warps=4, num_stages=2,
@@ -164,4 +172,4 @@ def decode_constexprs(q: torch.Tensor, num_kv_heads: int, sliding_window: int | 
     return dict(GROUP=group, GROUP_P=max(16, _next_pow2(group)), D=d, D_P=max(16, _next_pow2(d)),
                 BLOCK_N=block_n, HAS_WINDOW=sliding_window is not None,
                 PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
-                WHILE_LOOP=INTERPRETED)
+                WHILE_LOOP=INTERPRETED, HAS_GATE=False)

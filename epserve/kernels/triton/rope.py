@@ -8,6 +8,12 @@ cast to the input dtype before the float32 weight multiply and the product cast 
 rotation reads that rounded value in float32 (no fused multiply-add, so each product is rounded
 as in torch's eager ops) and casts the result to the input dtype.
 
+The hybrids (Qwen3-Next, Qwen3.5) add two things: partial rotary (a cos/sin cache of R/2 < D/2
+columns: dims ``i < R/2`` pair with ``i + R/2``, the last D - R dims pass through, normalised
+with the rest) and zero-centred norm weights (``zero_centred``: ``(x / rms) * (1 + w)`` in
+float32, one cast, as ``zero_centred_rms_norm_ref``; the 1 is never added in the weight's
+dtype). Full rotary without ``zero_centred`` compiles to the code it always was.
+
 With ``v``, ``k_cache``, ``v_cache`` and ``slot_mapping`` given, the same launch also does
 ``epserve.kernels.kv_write.write_kv_ref(k, v, k_cache, v_cache, slot_mapping)`` on the result
 (saving the KV-write launch): the rotated k (already rounded to k's dtype) and v's head go to
@@ -39,49 +45,81 @@ from epserve.kernels.dispatch import DTYPES, check_devices, check_kv_write_input
 
 
 @triton.jit
-def norm_rope_rows(ptrs, w_ptr, cos, sin, offs, live, eps, HALF, HAS_W: tl.constexpr):
-    """Normalise (when HAS_W) and rotate the rows of D = 2 * HALF values whose first halves
-    start at ``ptrs`` ([R, HALF_P] pointers), in place, lanes outside ``live`` untouched.
-    Returns the two stored halves ([R, HALF_P], the input dtype)."""
+def norm_rope_rows(ptrs, w_ptr, cos, sin, offs, live, eps, HALF, HAS_W: tl.constexpr,
+                   tptrs, offs_t, live_t, TAIL, ZC: tl.constexpr, HAS_TAIL: tl.constexpr):
+    """Normalise (when HAS_W) and rotate the rows of D = 2 * HALF + TAIL values whose first
+    halves start at ``ptrs`` ([R, HALF_P] pointers), in place, lanes outside ``live`` untouched:
+    the first 2 * HALF dims rotate, the TAIL after them (``tptrs`` [R, TAIL_P], lanes
+    ``live_t``; HAS_TAIL) pass through, normalised with the rest. ZC: the weight is
+    zero-centred, ``(x / rms) * (1 + w)`` in float32 and one cast. Returns the three stored
+    parts ([R, HALF_P] twice, [R, TAIL_P]; the input dtype; the third is the first again
+    without a tail)."""
     x1 = tl.load(ptrs, mask=live, other=0.0)
     x2 = tl.load(ptrs + HALF, mask=live, other=0.0)
     dtype = x1.dtype
     a = x1.to(tl.float32)
     b = x2.to(tl.float32)
+    o3 = x1
+    if HAS_TAIL:
+        o3 = tl.load(tptrs, mask=live_t, other=0.0)
     if HAS_W:
-        mean_sq = (tl.sum(a * a, axis=1) + tl.sum(b * b, axis=1)) / (2 * HALF)
+        ssq = tl.sum(a * a, axis=1) + tl.sum(b * b, axis=1)
+        if HAS_TAIL:
+            c = o3.to(tl.float32)
+            ssq = ssq + tl.sum(c * c, axis=1)
+        mean_sq = ssq / (2 * HALF + TAIL)
         rstd = tl.rsqrt(mean_sq + eps)[:, None]
         wmask = offs < HALF
         w1 = tl.load(w_ptr + offs, mask=wmask, other=0.0).to(tl.float32)[None, :]
         w2 = tl.load(w_ptr + HALF + offs, mask=wmask, other=0.0).to(tl.float32)[None, :]
-        a = (w1 * (a * rstd).to(dtype).to(tl.float32)).to(dtype).to(tl.float32)
-        b = (w2 * (b * rstd).to(dtype).to(tl.float32)).to(dtype).to(tl.float32)
+        if ZC:
+            a = ((a * rstd) * (1.0 + w1)).to(dtype).to(tl.float32)
+            b = ((b * rstd) * (1.0 + w2)).to(dtype).to(tl.float32)
+        else:
+            a = (w1 * (a * rstd).to(dtype).to(tl.float32)).to(dtype).to(tl.float32)
+            b = (w2 * (b * rstd).to(dtype).to(tl.float32)).to(dtype).to(tl.float32)
+        if HAS_TAIL:
+            w3 = tl.load(w_ptr + 2 * HALF + offs_t, mask=offs_t < TAIL,
+                         other=0.0).to(tl.float32)[None, :]
+            if ZC:
+                o3 = ((c * rstd) * (1.0 + w3)).to(dtype)
+            else:
+                o3 = (w3 * (c * rstd).to(dtype).to(tl.float32)).to(dtype)
+            tl.store(tptrs, o3, mask=live_t)
     o1 = (a * cos - b * sin).to(dtype)
     o2 = (b * cos + a * sin).to(dtype)
     tl.store(ptrs, o1, mask=live)
     tl.store(ptrs + HALF, o2, mask=live)
-    return o1, o2
+    return o1, o2, o3
 
 
 @triton.jit
-def write_kv_rows(k1, k2, v_rows, slot, head, kc_ptr, vc_ptr, offs, HALF, block_size,
-                  stride_kcb, stride_kco, stride_kch, stride_vcb, stride_vco, stride_vch):
+def write_kv_rows(k1, k2, v_row, slot, head, kc_ptr, vc_ptr, offs, HALF, block_size,
+                  stride_kcb, stride_kco, stride_kch, stride_vcb, stride_vco, stride_vch,
+                  k3, offs_t, TAIL, HAS_TAIL: tl.constexpr):
     """Write R rows of kv head ``head`` ([R] or scalar) to their cache slots ``slot`` ([R]
-    int64; < 0 writes nothing): K from its rotated halves ``k1``, ``k2`` ([R, HALF_P]), V read
-    at ``v_rows`` ([R, HALF_P] pointers to first halves), each cast to its cache's dtype."""
+    int64; < 0 writes nothing): K from its rotated halves ``k1``, ``k2`` ([R, HALF_P]) and,
+    with HAS_TAIL, its pass-through ``k3`` ([R, TAIL_P], dims 2 * HALF on), V read from the
+    rows starting at ``v_row`` ([R] pointers), each cast to its cache's dtype."""
     # The slot condition folded into the integer bound (newer interpreters refuse a scalar
     # bool in a mask).
     kv_live = offs[None, :] < tl.where(slot >= 0, HALF, 0)[:, None]
     blk = slot // block_size
     off = slot % block_size
-    kc = kc_ptr + (blk * stride_kcb + off * stride_kco + head * stride_kch)[:, None] + offs[None, :]
-    tl.store(kc, k1.to(kc_ptr.dtype.element_ty), mask=kv_live)
-    tl.store(kc + HALF, k2.to(kc_ptr.dtype.element_ty), mask=kv_live)
-    v1 = tl.load(v_rows, mask=kv_live, other=0.0)
-    v2 = tl.load(v_rows + HALF, mask=kv_live, other=0.0)
-    vc = vc_ptr + (blk * stride_vcb + off * stride_vco + head * stride_vch)[:, None] + offs[None, :]
-    tl.store(vc, v1.to(vc_ptr.dtype.element_ty), mask=kv_live)
-    tl.store(vc + HALF, v2.to(vc_ptr.dtype.element_ty), mask=kv_live)
+    kc = kc_ptr + (blk * stride_kcb + off * stride_kco + head * stride_kch)[:, None]
+    vc = vc_ptr + (blk * stride_vcb + off * stride_vco + head * stride_vch)[:, None]
+    tl.store(kc + offs[None, :], k1.to(kc_ptr.dtype.element_ty), mask=kv_live)
+    tl.store(kc + HALF + offs[None, :], k2.to(kc_ptr.dtype.element_ty), mask=kv_live)
+    v1 = tl.load(v_row[:, None] + offs[None, :], mask=kv_live, other=0.0)
+    v2 = tl.load(v_row[:, None] + HALF + offs[None, :], mask=kv_live, other=0.0)
+    tl.store(vc + offs[None, :], v1.to(vc_ptr.dtype.element_ty), mask=kv_live)
+    tl.store(vc + HALF + offs[None, :], v2.to(vc_ptr.dtype.element_ty), mask=kv_live)
+    if HAS_TAIL:
+        t_live = offs_t[None, :] < tl.where(slot >= 0, TAIL, 0)[:, None]
+        tail = 2 * HALF + offs_t[None, :]
+        tl.store(kc + tail, k3.to(kc_ptr.dtype.element_ty), mask=t_live)
+        v3 = tl.load(v_row[:, None] + tail, mask=t_live, other=0.0)
+        tl.store(vc + tail, v3.to(vc_ptr.dtype.element_ty), mask=t_live)
 
 
 # T and the k-program count change every step: no ==1 / multiple-of-16 specialization, so each
@@ -91,11 +129,12 @@ def _qk_norm_rope_kernel(q_ptr, k_ptr, pos_ptr, cos_ptr, sin_ptr, qw_ptr, kw_ptr
                          v_ptr, kc_ptr, vc_ptr, slot_ptr,
                          stride_qt, stride_qh, stride_kt, stride_kh, stride_pos,
                          stride_cos, stride_sin, num_q_heads, num_kv_heads, num_k_programs,
-                         HALF, eps,
+                         HALF, TAIL, eps,
                          stride_vt, stride_vh, stride_slot, block_size,
                          stride_kcb, stride_kco, stride_kch, stride_vcb, stride_vco, stride_vch,
                          num_tokens, BLOCK_R: tl.constexpr, HALF_P: tl.constexpr,
-                         HAS_QW: tl.constexpr, HAS_KW: tl.constexpr, WRITE_KV: tl.constexpr):
+                         TAIL_P: tl.constexpr, HAS_QW: tl.constexpr, HAS_KW: tl.constexpr,
+                         WRITE_KV: tl.constexpr, ZC: tl.constexpr, HAS_TAIL: tl.constexpr):
     # Programs [0, num_k_programs) take BLOCK_R consecutive (token, head) rows of k (token-major,
     # so rows of one token are adjacent in memory), the rest BLOCK_R rows of q: a program never
     # mixes the two tensors. The k programs (which also move v and both cache rows) go first.
@@ -111,6 +150,8 @@ def _qk_norm_rope_kernel(q_ptr, k_ptr, pos_ptr, cos_ptr, sin_ptr, qw_ptr, kw_ptr
     # Lanes in range: a row past the end, or the padding lanes of HALF_P, touch nothing. The row
     # condition is folded into an integer bound (no bool tensor built from a scalar).
     live = offs[None, :] < tl.where(valid, HALF, 0)[:, None]
+    offs_t = tl.arange(0, TAIL_P)  # partial rotary: the dims after the rotated 2 * HALF
+    live_t = offs_t[None, :] < tl.where(valid, TAIL, 0)[:, None]
     t64 = t.to(tl.int64)
     h64 = h.to(tl.int64)
     pos = tl.load(pos_ptr + t64 * stride_pos, mask=valid, other=0).to(tl.int64)
@@ -119,17 +160,20 @@ def _qk_norm_rope_kernel(q_ptr, k_ptr, pos_ptr, cos_ptr, sin_ptr, qw_ptr, kw_ptr
     sin = tl.load(sin_ptr + pos[:, None] * stride_sin + offs[None, :], mask=live,
                   other=0.0).to(tl.float32)
     if is_k:
-        kptrs = k_ptr + (t64 * stride_kt + h64 * stride_kh)[:, None] + offs[None, :]
-        k1, k2 = norm_rope_rows(kptrs, kw_ptr, cos, sin, offs, live, eps, HALF, HAS_KW)
+        krow = (k_ptr + t64 * stride_kt + h64 * stride_kh)[:, None]
+        k1, k2, k3 = norm_rope_rows(krow + offs[None, :], kw_ptr, cos, sin, offs, live, eps,
+                                    HALF, HAS_KW, krow + 2 * HALF + offs_t[None, :], offs_t,
+                                    live_t, TAIL, ZC, HAS_TAIL)
         if WRITE_KV:
             # a row past the end reads slot -1: it writes nothing, as padding
             slot = tl.load(slot_ptr + t64 * stride_slot, mask=valid, other=-1).to(tl.int64)
-            vrow = v_ptr + (t64 * stride_vt + h64 * stride_vh)[:, None] + offs[None, :]
-            write_kv_rows(k1, k2, vrow, slot, h64, kc_ptr, vc_ptr, offs, HALF, block_size,
-                          stride_kcb, stride_kco, stride_kch, stride_vcb, stride_vco, stride_vch)
+            write_kv_rows(k1, k2, v_ptr + t64 * stride_vt + h64 * stride_vh, slot, h64, kc_ptr,
+                          vc_ptr, offs, HALF, block_size, stride_kcb, stride_kco, stride_kch,
+                          stride_vcb, stride_vco, stride_vch, k3, offs_t, TAIL, HAS_TAIL)
     else:
-        qptrs = q_ptr + (t64 * stride_qt + h64 * stride_qh)[:, None] + offs[None, :]
-        norm_rope_rows(qptrs, qw_ptr, cos, sin, offs, live, eps, HALF, HAS_QW)
+        qrow = (q_ptr + t64 * stride_qt + h64 * stride_qh)[:, None]
+        norm_rope_rows(qrow + offs[None, :], qw_ptr, cos, sin, offs, live, eps, HALF, HAS_QW,
+                       qrow + 2 * HALF + offs_t[None, :], offs_t, live_t, TAIL, ZC, HAS_TAIL)
 
 
 # triton.jit picks the interpreter from TRITON_INTERPRET when this module is imported.
@@ -157,7 +201,7 @@ def qk_norm_rope_triton(q: torch.Tensor, k: torch.Tensor, positions: torch.Tenso
                         q_weight: torch.Tensor | None = None, k_weight: torch.Tensor | None = None,
                         eps: float = 1e-6, *, v: torch.Tensor | None = None,
                         k_cache: torch.Tensor | None = None, v_cache: torch.Tensor | None = None,
-                        slot_mapping: torch.Tensor | None = None
+                        slot_mapping: torch.Tensor | None = None, zero_centred: bool = False
                         ) -> tuple[torch.Tensor, torch.Tensor]:
     """Overwrite q and k with ``apply_qk_norm_rope_ref(...)``; returns the same (q, k) objects.
     With v, k_cache, v_cache, slot_mapping (all or none) it then also does
@@ -165,10 +209,12 @@ def qk_norm_rope_triton(q: torch.Tensor, k: torch.Tensor, positions: torch.Tenso
 
     q: [T, Hq, D], k: [T, Hkv, D], one dtype of fp32/fp16/bf16, last dim contiguous (token and
     head strides free); positions: [T] int64/int32 with ``0 <= positions < P`` (not checked: it
-    lives on the device); cos_cache, sin_cache: [P, D/2] floating, last dim contiguous;
-    q_weight / k_weight: [D] or None (no norm for that tensor). v: [T, Hkv, D]; k_cache,
-    v_cache: [NB, BS, Hkv, D]; v and the caches each fp32/fp16/bf16 with a contiguous last dim;
-    slot_mapping: [T] int64/int32, -1 for a row that writes nothing.
+    lives on the device); cos_cache, sin_cache: [P, R/2] floating, last dim contiguous (R <= D
+    rotary dims: with R < D the last D - R dims of every head pass through, normed);
+    q_weight / k_weight: [D] or None (no norm for that tensor), zero-centred (``1 + w``, added
+    in float32) with ``zero_centred``. v: [T, Hkv, D]; k_cache, v_cache: [NB, BS, Hkv, D]; v and
+    the caches each fp32/fp16/bf16 with a contiguous last dim; slot_mapping: [T] int64/int32,
+    -1 for a row that writes nothing.
     """
     name = "qk_norm_rope_triton"
     kv_args = (v, k_cache, v_cache, slot_mapping)
@@ -180,7 +226,7 @@ def qk_norm_rope_triton(q: torch.Tensor, k: torch.Tensor, positions: torch.Tenso
         return q, k
     if t * max(hq, hkv) >= 2**31 - _MAX_ROWS:  # the kernel indexes (token, head) rows in int32
         raise ValueError(f"{name}: {t} tokens x {max(hq, hkv)} heads is too many rows")
-    half = d // 2
+    half = cos_cache.shape[1]
     qw = q_weight.contiguous() if q_weight is not None else q
     kw = k_weight.contiguous() if k_weight is not None else k
     if with_kv:
@@ -190,16 +236,19 @@ def qk_norm_rope_triton(q: torch.Tensor, k: torch.Tensor, positions: torch.Tenso
     else:  # unused by the kernel (WRITE_KV=False): placeholders of the right kinds
         kv_ptrs = (k, k, k, positions)
         kv_strides = (0, 0, 0, 1, 0, 0, 0, 0, 0, 0)
-    half_p = triton.next_power_of_2(half)
-    block_r, num_warps = pick_tile(t * (hq + hkv), half_p)
+    tail = d - 2 * half
+    # the tile is sized by the head's half width (the rotated half plus half the tail)
+    block_r, num_warps = pick_tile(t * (hq + hkv), triton.next_power_of_2(d // 2))
     n_k = triton.cdiv(t * hkv, block_r)
     grid = (n_k + triton.cdiv(t * hq, block_r),)
     _qk_norm_rope_kernel[grid](
         q, k, positions, cos_cache, sin_cache, qw, kw, *kv_ptrs,
         q.stride(0), q.stride(1), k.stride(0), k.stride(1), positions.stride(0),
-        cos_cache.stride(0), sin_cache.stride(0), hq, hkv, n_k, half, float(eps), *kv_strides, t,
-        BLOCK_R=block_r, HALF_P=half_p, HAS_QW=q_weight is not None,
-        HAS_KW=k_weight is not None, WRITE_KV=with_kv, num_warps=num_warps,
+        cos_cache.stride(0), sin_cache.stride(0), hq, hkv, n_k, half, tail, float(eps),
+        *kv_strides, t, BLOCK_R=block_r, HALF_P=triton.next_power_of_2(half),
+        TAIL_P=triton.next_power_of_2(max(tail, 1)), HAS_QW=q_weight is not None,
+        HAS_KW=k_weight is not None, WRITE_KV=with_kv, ZC=bool(zero_centred),
+        HAS_TAIL=tail > 0, num_warps=num_warps,
         enable_fp_fusion=False)  # products rounded before the add/sub, as torch's eager ops
     return q, k
 
@@ -226,9 +275,9 @@ def check_qk_norm_rope_args(name: str, q: torch.Tensor, k: torch.Tensor,
         raise ValueError(f"{name}: positions {tuple(positions.shape)} {positions.dtype} must be "
                          f"[{t}] int64 or int32")
     if (cos_cache.dim() != 2 or cos_cache.shape != sin_cache.shape
-            or cos_cache.shape[1] * 2 != d):
+            or not 1 <= cos_cache.shape[1] <= d // 2):
         raise ValueError(f"{name}: cos/sin caches {tuple(cos_cache.shape)} / "
-                         f"{tuple(sin_cache.shape)} must both be [P, {d // 2}]")
+                         f"{tuple(sin_cache.shape)} must both be [P, R/2], R <= head_dim {d}")
     if not (cos_cache.is_floating_point() and sin_cache.is_floating_point()):
         raise ValueError(f"{name}: cos/sin caches must be floating, got {cos_cache.dtype}, "
                          f"{sin_cache.dtype}")
