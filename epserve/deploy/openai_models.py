@@ -111,6 +111,8 @@ class CompletionRequest(_SamplingRequest):
     logprobs: int | None = Field(None, le=INT32)
     suffix: str | None = None
     best_of: int | None = Field(None, le=INT32)
+    # vLLM's: structured output on completions too, as chat's (deploy.structured_output)
+    response_format: ResponseFormat | None = None
 
     def prompts(self) -> list[str | list[int]]:
         """The prompts as a list of texts or token-id lists (one per choice group)."""

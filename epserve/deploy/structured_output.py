@@ -1,5 +1,5 @@
-"""Structured output at the HTTP edge: ``response_format`` (chat) and vLLM's
-``structured_outputs`` (chat and completions) as one ``StructuredOutputsParams``.
+"""Structured output at the HTTP edge: ``response_format`` and vLLM's ``structured_outputs``
+(chat and completions alike, as vLLM's) as one ``StructuredOutputsParams``.
 
 Invariants: what a request asks is checked here, before anything is queued, by the one
 definition of a valid constraint (``head.structured_params``: xgrammar parses it); an invalid
