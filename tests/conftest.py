@@ -53,6 +53,14 @@ def tiny_ckpt(request) -> Path:
 
 
 @pytest.fixture(scope="session")
+def trained_mtp_ckpt(tmp_path_factory) -> Path:
+    """A tiny Qwen3.5 trained to count, with an MTP head trained to draft its picks."""
+    from mtp_ckpt import make_trained_mtp_checkpoint
+
+    return make_trained_mtp_checkpoint("qwen3_5_moe", tmp_path_factory.mktemp("trained_mtp"))
+
+
+@pytest.fixture(scope="session")
 def ray_cluster():
     """One local Ray cluster per test session, the one users get (loopback only, a per-cluster
     token, no dashboard); gloo on loopback."""

@@ -176,7 +176,9 @@ class EngineArgs:
             seed=self.seed, gpu_memory_utilization=float(self.gpu_memory_utilization),
             enforce_eager=bool(self.enforce_eager),
             warmup_tokens=self.max_num_batched_tokens, decode_lookahead=self.decode_lookahead,
-            max_logprobs=self.max_logprobs)
+            max_logprobs=self.max_logprobs, mtp_drafts=spec.num_speculative_tokens
+            if (spec := SpeculativeConfig.from_dict(self.speculative_config)) is not None
+            and spec.method == "mtp" else 0)
 
 
 def _check_device_name(device: Any) -> None:

@@ -35,7 +35,8 @@ class EpGroup:
         from epserve.worker.ep_comm import EpComm
         from epserve.worker.ep_dist import free_port, join_ep_group
         from epserve.worker.rank_executor import RankExecutor
-        from epserve.worker.step_model import EpChannel, StepModel
+        from epserve.worker.channels import EpChannel
+        from epserve.worker.step_model import StepModel
         from epserve.worker.runner import Runner, resolve_device
 
         n = args.ep_size

@@ -12,6 +12,7 @@ import json
 import time
 import uuid
 from dataclasses import dataclass
+from itertools import islice
 from typing import Any, Callable, Sequence
 
 from epserve.head.outputs import Logprob, LogprobsDict
@@ -80,11 +81,13 @@ def _chosen(position: LogprobsDict, token_id: int, as_ids: bool) -> tuple[str, f
 
 def completion_logprobs(token_ids: Sequence[int], positions: Sequence[LogprobsDict | None],
                         offset: int, decode: Callable[[int], str] | None = None,
-                        as_ids: bool = False) -> dict[str, Any]:
+                        as_ids: bool = False, top_n: int | None = None) -> dict[str, Any]:
     """The legacy completions ``logprobs`` object for these tokens; ``offset`` is the text
-    offset of the first one. ``top_logprobs`` holds a position's whole dict in its order (vLLM's:
-    the token itself first, then the top k, k + 1 entries when it is not among them). A None position (the prompt's first token) has no logprob; its
-    text comes from ``decode``."""
+    offset of the first one. A None position (the prompt's first token) has no logprob; its
+    text comes from ``decode``. ``top_logprobs`` holds a position's dict in its order (vLLM's:
+    the token itself first, then the top k; k + 1 entries when it is not among them), at most
+    ``top_n`` + 1 entries (vLLM's cap: an echoed prompt's dicts may hold more, for
+    ``prompt_logprobs``)."""
     tokens, token_lps, tops, offsets = [], [], [], []
     for tid, pos in zip(token_ids, positions):
         offsets.append(offset)
@@ -93,7 +96,8 @@ def completion_logprobs(token_ids: Sequence[int], positions: Sequence[LogprobsDi
             lp, top = None, None
         else:
             text, lp = _chosen(pos, tid, as_ids)
-            top = {_token_text(t, p, as_ids): _lp(p.logprob) for t, p in pos.items()}
+            items = pos.items() if top_n is None else islice(pos.items(), top_n + 1)
+            top = {_token_text(t, p, as_ids): _lp(p.logprob) for t, p in items}
         tokens.append(text)
         token_lps.append(lp)
         tops.append(top)

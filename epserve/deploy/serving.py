@@ -179,7 +179,8 @@ class OpenAIServing:
         if req.echo and first:
             plps = out.prompt_logprobs or [None] * len(prompt.ids)
             ids, lps = prompt.ids + ids, list(plps) + lps
-        return R.completion_logprobs(ids, lps, offset, self._decode_one, self._as_ids(req))
+        return R.completion_logprobs(ids, lps, offset, self._decode_one, self._as_ids(req),
+                                     req.logprobs)
 
     def _as_ids(self, req: Any) -> bool:
         """Logprob tokens as ``token_id:N``: the request's field, else the server's flag."""

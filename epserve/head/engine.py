@@ -92,6 +92,8 @@ class Engine:
         spec = cfg.speculative
         if spec is not None:
             require_capability(model, "verify", "speculative decoding")
+            if spec.method == "mtp":
+                require_capability(model, "draft", "speculative_config method 'mtp'")
             if draft is not None and "ssm_state" in draft.capabilities():
                 raise ValueError("a draft model with recurrent state (gated DeltaNet) cannot "
                                  "draft: its drafts would have to be rewound, and its states "

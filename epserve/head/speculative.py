@@ -24,7 +24,6 @@ MAX_SPECULATIVE_TOKENS = 16
 
 #: vLLM's methods this engine does not run (yet): refused by name, never ignored.
 _NOT_BUILT = {
-    "mtp": "MTP drafts need a model with MTP heads (Qwen3-Next / Qwen3.5), not served yet",
     "eagle": "EAGLE draft heads are not supported", "eagle3": "EAGLE draft heads are not "
     "supported", "medusa": "Medusa heads are not supported", "mlp_speculator": "MLP "
     "speculators are not supported", "suffix": "suffix decoding is not supported",
@@ -34,8 +33,9 @@ _KEYS = {"method", "num_speculative_tokens", "prompt_lookup_min", "prompt_lookup
 
 @dataclass(frozen=True)
 class SpeculativeConfig:
-    """``method``: ``ngram`` (prompt lookup over prompt and output) or ``draft_model`` (a
-    smaller checkpoint with the target's vocabulary, ``model``: its folder);
+    """``method``: ``ngram`` (prompt lookup over prompt and output), ``draft_model`` (a
+    smaller checkpoint with the target's vocabulary, ``model``: its folder) or ``mtp`` (the
+    target checkpoint's own MTP head: Qwen3-Next, Qwen3.5);
     ``num_speculative_tokens``: drafted tokens per row and step, 1..16;
     ``prompt_lookup_min`` / ``prompt_lookup_max`` (ngram): the n-gram lengths matched (as
     vLLM: one given sets the other, neither gives 5 and 5)."""
@@ -60,10 +60,17 @@ class SpeculativeConfig:
         method = d.get("method")
         if method in _NOT_BUILT:
             raise ValueError(f"speculative_config.method={method!r}: {_NOT_BUILT[method]}")
-        if method not in ("ngram", "draft_model"):
-            raise ValueError(f"speculative_config.method must be 'ngram' or 'draft_model', got "
-                             f"{method!r}")
+        if method not in ("ngram", "draft_model", "mtp"):
+            raise ValueError(f"speculative_config.method must be 'ngram', 'draft_model' or "
+                             f"'mtp', got {method!r}")
         k = _int(d, "num_speculative_tokens", None, 1, MAX_SPECULATIVE_TOKENS)
+        if method == "mtp":
+            extra = sorted(set(d) - {"method", "num_speculative_tokens"})
+            if extra:
+                raise ValueError(f"speculative_config.{extra[0]}: method 'mtp' drafts with "
+                                 f"the target checkpoint's own MTP head and takes only "
+                                 f"num_speculative_tokens")
+            return cls(method, k)
         if method == "draft_model":
             extra = sorted(set(d) & {"prompt_lookup_min", "prompt_lookup_max"})
             if extra:
@@ -84,6 +91,8 @@ class SpeculativeConfig:
         return cls(method, k, lo, hi)
 
     def to_dict(self) -> dict[str, Any]:
+        if self.method == "mtp":
+            return {"method": self.method, "num_speculative_tokens": self.num_speculative_tokens}
         if self.method == "draft_model":
             return {"method": self.method, "num_speculative_tokens": self.num_speculative_tokens,
                     "model": self.model}
@@ -91,8 +100,11 @@ class SpeculativeConfig:
                 "prompt_lookup_min": self.prompt_lookup_min,
                 "prompt_lookup_max": self.prompt_lookup_max}
 
-    def proposer(self, draft: Model | None = None) -> NgramProposer | DraftModelProposer:
+    def proposer(self, draft: Model | None = None
+                 ) -> NgramProposer | DraftModelProposer | MtpProposer:
         """The proposer; ``draft``: the draft model (``draft_model``), built by the caller."""
+        if self.method == "mtp":
+            return MtpProposer()
         if self.method == "draft_model":
             if draft is None:
                 raise ValueError("speculative_config: method 'draft_model' needs its model")
@@ -110,13 +122,25 @@ def _int(d: Mapping[str, Any], key: str, default: Any, lo: int, hi: int) -> int:
     return v
 
 
+class MtpProposer:
+    """The target's own MTP head drafts on its rank after every step that samples a sequence
+    (``ModelDraft``); this hands the scheduler those drafts (``SequenceState.drafts``), cut
+    to each row's cap. Nothing is kept beside the sequence."""
+
+    def propose_batch(self, seqs: Sequence[Any], caps: Sequence[int]) -> list[tuple[int, ...]]:
+        return [tuple(s.state.drafts[:k]) if k > 0 and s.state is not None else ()
+                for s, k in zip(seqs, caps)]
+
+    def release(self, seq: Any) -> None:
+        """Nothing held: the drafts live in the sequence's state."""
+
+
 class Proposer(Protocol):
     """What the scheduler asks of a proposer: drafts for a step's decode rows in one batch (at
     most ``caps[i]`` for row ``i``; fewer or none is always allowed), and to let go of a
     sequence that finished or was preempted. A proposer keeps its per-sequence state in
-    ``Sequence.draft_state``. ``NgramProposer`` and ``DraftModelProposer`` implement it; an
-    MTP head (Qwen3-Next / Qwen3.5) fits the same shape, drafting from the target's hidden
-    states through the model's ``ModelDraft`` trait."""
+    ``Sequence.draft_state``. ``NgramProposer``, ``DraftModelProposer`` and ``MtpProposer``
+    implement it."""
 
     def propose_batch(self, seqs: Sequence[Any], caps: Sequence[int]) -> list[tuple[int, ...]]: ...
     def release(self, seq: Any) -> None: ...

@@ -31,6 +31,11 @@ recurrent cache, float32): sequence s continues from ``state_pool[slots[s]]`` (z
   q/k normalised in its kernel; same state layout), the states gathered and scattered;
 - otherwise (CPU, or no fla) ``recurrent_ref`` for a decode step, else ``chunked_ref``,
   gathered and scattered.
+
+``gated_delta_step_gates`` is the same entry given the layer's ``a``, ``b`` projections and its
+``A_log``, ``dt_bias`` (``delta_gates_ref`` defines g and beta from them): a decode step on the
+Triton path computes them inside the decode kernel (no torch launch); anywhere else
+``delta_gates_ref`` runs, then ``gated_delta_step``.
 """
 
 from __future__ import annotations
@@ -38,6 +43,7 @@ from __future__ import annotations
 from typing import Sequence
 
 import torch
+import torch.nn.functional as F
 
 from epserve.kernels.dispatch import (DTYPES, MAX_DELTA_DK, check_hold, check_state_step,
                                       fla_function, fla_offsets, gather_states, scatter_states,
@@ -148,17 +154,8 @@ def gated_delta_step(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch
     read, so a CUDA graph may hold placeholders); ``hold``: host indices of sequences whose new
     state is not written back (a speculative verify's: ``dispatch.scatter_states``; never on
     a decode step). Returns o [T, Hv, Dv] in v's dtype."""
-    name = "gated_delta_step"
-    if q.dim() != 3 or q.shape != k.shape or v.dim() != 3 or v.shape[0] != q.shape[0]:
-        raise ValueError(f"{name}: q {tuple(q.shape)}, k {tuple(k.shape)} must be [T, Hk, Dk] "
-                         f"and v {tuple(v.shape)} [T, Hv, Dv]")
-    dk = q.shape[2]
-    hv, dv = v.shape[1:]
-    s = check_state_step(name, state_pool, (hv, dk, dv), slots, fresh,
-                         rows=q.shape[0] if decode else None)
-    check_hold(name, hold, s, decode)
-    if len(cu_seqlens) != s + 1:
-        raise ValueError(f"{name}: cu_seqlens has {len(cu_seqlens)} entries for {s} sequences")
+    _check_step("gated_delta_step", q, k, v, state_pool, slots, fresh, cu_seqlens, decode,
+                hold)
     if decode and _decode_kernel_covers(q, k, v, g, beta, state_pool):
         from epserve.kernels.triton.gated_delta_decode import gated_delta_decode_triton
 
@@ -170,6 +167,55 @@ def gated_delta_step(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch
     o, new = rule(q, k, v, g, beta, gather_states(state_pool, slots, fresh), cu_seqlens)
     scatter_states(state_pool, slots, new, hold)
     return o
+
+
+def _check_step(name: str, q, k, v, state_pool, slots, fresh, cu_seqlens: Sequence[int],
+                decode: bool, hold: Sequence[int] = ()) -> None:
+    """q, k [T, Hk, Dk], v [T, Hv, Dv] over the pool's states (one row a sequence when
+    ``decode``), the holds and ``cu_seqlens`` (S + 1 entries)."""
+    if q.dim() != 3 or q.shape != k.shape or v.dim() != 3 or v.shape[0] != q.shape[0]:
+        raise ValueError(f"{name}: q {tuple(q.shape)}, k {tuple(k.shape)} must be [T, Hk, Dk] "
+                         f"and v {tuple(v.shape)} [T, Hv, Dv]")
+    hv, dv = v.shape[1:]
+    s = check_state_step(name, state_pool, (hv, q.shape[2], dv), slots, fresh,
+                         rows=q.shape[0] if decode else None)
+    check_hold(name, hold, s, decode)
+    if len(cu_seqlens) != s + 1:
+        raise ValueError(f"{name}: cu_seqlens has {len(cu_seqlens)} entries for {s} sequences")
+
+
+def delta_gates_ref(a: torch.Tensor, b: torch.Tensor, A_log: torch.Tensor,
+                    dt_bias: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """A DeltaNet layer's log decay and write strength from its projections a, b [T, Hv] and
+    its A_log, dt_bias [Hv]: ``g = -exp(A_log) * softplus(a + dt_bias)`` (float32, <= 0) and
+    ``beta = sigmoid(b)`` (b's dtype), as transformers computes them."""
+    beta = b.sigmoid()
+    g = -A_log.float().exp() * F.softplus(a.float() + dt_bias)
+    return g, beta
+
+
+def gated_delta_step_gates(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, a: torch.Tensor,
+                           b: torch.Tensor, A_log: torch.Tensor, dt_bias: torch.Tensor,
+                           state_pool: torch.Tensor, slots: torch.Tensor, fresh: torch.Tensor,
+                           cu_seqlens: Sequence[int], decode: bool) -> torch.Tensor:
+    """``gated_delta_step(q, k, v, *delta_gates_ref(a, b, A_log, dt_bias), state_pool, slots,
+    fresh, cu_seqlens, decode)`` (no held sequences): a, b [T, Hv] (any strides), A_log,
+    dt_bias [Hv]. On a decode step the Triton kernel computes g and beta itself."""
+    name = "gated_delta_step_gates"
+    _check_step(name, q, k, v, state_pool, slots, fresh, cu_seqlens, decode)
+    t, hv = q.shape[0], v.shape[1]
+    if a.shape != (t, hv) or b.shape != (t, hv) or A_log.shape != (hv,) \
+            or dt_bias.shape != (hv,):
+        raise ValueError(f"{name}: a {tuple(a.shape)}, b {tuple(b.shape)} must be [{t}, {hv}] "
+                         f"and A_log {tuple(A_log.shape)}, dt_bias {tuple(dt_bias.shape)} [{hv}]")
+    if decode and _decode_kernel_covers(q, k, v, a, b, state_pool) \
+            and all(x.dtype in DTYPES and x.device == v.device for x in (A_log, dt_bias)):
+        from epserve.kernels.triton.gated_delta_decode import gated_delta_decode_gates_triton
+
+        return gated_delta_decode_gates_triton(q, k, v, a, b, A_log, dt_bias, state_pool, slots,
+                                               fresh)
+    g, beta = delta_gates_ref(a, b, A_log, dt_bias)
+    return gated_delta_step(q, k, v, g, beta, state_pool, slots, fresh, cu_seqlens, decode)
 
 
 def _decode_kernel_covers(q, k, v, g, beta, pool) -> bool:

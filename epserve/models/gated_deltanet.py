@@ -21,17 +21,19 @@ recurrent form for a pure decode step, the chunked one else). Rows past
 verify's sequences (``meta.state_hold``) run from their states but do not write them: the layer
 logs their conv inputs, g and beta (``meta.state_log``), and once the verdict is known ``fold``
 advances each state by the accepted tokens only (so a rejected draft never touches a state).
+Only such a step computes g and beta as tensors (``delta_gates_ref``): any other step hands a
+and b to ``gated_delta_step_gates``, whose decode kernel computes them in its programs.
 """
 
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from epserve.kernels.attention import AttentionMetadata
 from epserve.kernels.causal_conv import causal_conv_step
-from epserve.kernels.gated_delta import gated_delta_step
+from epserve.kernels.gated_delta import (delta_gates_ref, gated_delta_step,
+                                         gated_delta_step_gates)
 from epserve.kernels.linear import linear
 from epserve.kernels.norm import gated_rms_norm
 from epserve.models.config import ModelConfig
@@ -93,17 +95,20 @@ class GatedDeltaNet(nn.Module):
         slots, hold = meta.state_slots, meta.state_hold
         fresh = fresh_sequences(meta, x.device)  # [S]
         decode = qsl == tuple(range(len(qsl)))
-        beta = b.sigmoid()  # [n, Hv]
-        g = -self.A_log.float().exp() * F.softplus(a.float() + self.dt_bias)  # [n, Hv] <= 0
         if hold:  # a verify's rows: what folding an accepted prefix in needs
+            g, beta = delta_gates_ref(a, b, self.A_log, self.dt_bias)  # [n, Hv]: g <= 0
             rows = held_rows(meta, x.device)
             meta.state_log.append((mixed[rows], g[rows], beta[rows]))
         mixed = causal_conv_step(mixed, self.conv_weight, conv_state, slots, fresh, qsl,
                                  decode, hold)  # SiLU'd
         q, k, v = self._qkv(mixed)
-        o = gated_delta_step(q, k, v, g, beta, rec_state, slots, fresh, qsl, decode,
-                             hold)  # [n, Hv, Dv]
-        o = self.norm(o, z.reshape(n, hv, dv))
+        if hold:
+            o = gated_delta_step(q, k, v, g, beta, rec_state, slots, fresh, qsl, decode,
+                                 hold)  # [n, Hv, Dv]
+        else:  # g and beta from a, b (inside the decode kernel on a CUDA decode step)
+            o = gated_delta_step_gates(q, k, v, a, b, self.A_log, self.dt_bias, rec_state, slots,
+                                       fresh, qsl, decode)
+        o = self.norm(o, z.view(n, hv, dv))  # z read in place (one launch on CUDA)
         out = linear(o.reshape(n, self.value_dim), self.out_proj.weight)  # [n, H]
         if n < t:  # padding rows
             out = torch.cat([out, out.new_zeros(t - n, out.shape[1])])

@@ -90,7 +90,8 @@ class _HybridMoeLM(DecoderOnlyLM):
     norm_class = ZeroCentredRMSNorm
     map_deltanet: Callable[[WeightMap, str, GatedDeltaNet], None]
     #: checkpoint tensors this model does not use yet, by name prefix, with the log line's why
-    unused: dict[str, str] = {"mtp.": "MTP head weights unused until the MTP proposer exists"}
+    unused: dict[str, str] = {
+        "mtp.": "MTP head weights, for speculative_config method 'mtp' only"}  # models.mtp
 
     def __init__(self, cfg: ModelConfig, parallel: ParallelInfo = ParallelInfo()):
         super().__init__(cfg, parallel,

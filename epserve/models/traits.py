@@ -138,6 +138,8 @@ class SequenceState:
       its last); the model may queue that step's forward early (head).
     - ``token_mask``: a constrained row's allowed next tokens, ``ceil(vocab / 32)`` packed
       int32 words (numpy, refilled in place after each token), None when unconstrained (head).
+    - ``drafts``: the tokens the model's MTP head proposes after the last sampled one (the
+      model, after each step that samples the sequence; ``ModelDraft``).
     """
 
     tokens: list[int] = field(default_factory=list)
@@ -163,6 +165,7 @@ class SequenceState:
     early_stopping: bool = False
     lookahead: bool = True
     token_mask: Any = None
+    drafts: tuple[int, ...] = ()
 
 
 @dataclass(slots=True)
@@ -349,7 +352,8 @@ class ModelVerify(Protocol):
 
 
 class ModelDraft(Protocol):
-    """Draft proposers: MTP and DFlash (not implemented yet: declared absent)."""
+    """MTP drafts: with the capability, every step that samples a sequence leaves the MTP
+    head's greedy proposals in ``SequenceState.drafts`` (``worker.mtp_drafter``)."""
 
 
 class ModelAdapters(Protocol):
@@ -357,15 +361,12 @@ class ModelAdapters(Protocol):
 
 
 class ModelSsmState(Protocol):
-    """Recurrent (SSM) state around a speculative verify. The seed checkpoints, verifies,
-    rolls back to the accepted prefix and commits it (or, with ``write_on_accept``, folds the
-    accepted prefix in). Here every verify does the latter whole, on the sequence's rank inside
-    the verify step: the rows' states are held (the checkpoint is the untouched state), the
-    fold's inputs logged, and once the rank has sampled (it knows the verdict:
-    ``models.acceptance``) the fed token and accepted drafts are folded in (rollback and commit
-    in one). No call is needed around a verify; the next command's rewind (its KV) must lie
-    inside the verified window. No snapshots are kept, so no other rewind: no prefix caching,
-    and such a model cannot be a draft model."""
+    """Recurrent state around a verify: the seed checkpoints, verifies, rolls back and commits
+    (or, ``write_on_accept``, folds the accepted prefix in). Here every verify does the latter
+    on the sequence's rank inside the step: states held (the checkpoint is the untouched
+    state), the fold's inputs logged, and once the rank has sampled (``models.acceptance``)
+    the fed token and accepted drafts folded in. The next rewind must lie inside the verified
+    window; no snapshots are kept (no prefix caching; no use as a draft model)."""
 
 
 class ModelDeviceFeed(Protocol):

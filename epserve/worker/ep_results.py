@@ -1,7 +1,8 @@
 """What a rank sends back after a step: its sampled tokens and new prompt logprobs (msgpack).
 
 Invariants: nothing is pickled; a frame is ``[PROTOCOL_VERSION, step_id, rank, sampled,
-sampled alternatives, prompt logprobs, their alternatives, verified, their alternatives]`` read against that layout
+sampled alternatives, prompt logprobs, their alternatives, verified, their alternatives,
+drafts, their ids]`` read against that layout
 (``worker.wire``) with the same strict types as commands: fixed-width records (slot and token
 int64, logprob float64), sampled tokens sorted by slot (each slot once), prompt logprobs grouped
 by slot (slots rising, positions in order), at most the engine's ``max_logprobs``
@@ -25,7 +26,7 @@ from epserve.worker.step_command import (
     MAX_DRAFT_TOKENS, MAX_FRAME_BYTES, PROTOCOL_VERSION, ProtocolError, WireLimits,
 )
 from epserve.worker.wire import (
-    F64, I64, Table, TableSpec, decode_table, encode_table, pack_frame, read_fields,
+    F64, I64, Table, TableSpec, decode_table, encode_table, ids_spec, pack_frame, read_fields,
 )
 
 
@@ -33,14 +34,16 @@ from epserve.worker.wire import (
 class RankResult:
     """``sampled``: slot -> token for every sampled row of this rank; ``prompt_logprobs``:
     slot -> the prompt positions scored in this step; ``verified``: slot -> the target's
-    token at each position of a verify row. Dicts when built by the rank, read-only mappings
-    over the records when decoded (equal either way)."""
+    token at each position of a verify row; ``drafts``: slot -> the tokens the model's MTP
+    head proposes after the slot's last sampled token (``worker.mtp_drafter``). Dicts when
+    built by the rank, read-only mappings over the records when decoded (equal either way)."""
 
     step_id: int
     rank: int
     sampled: Mapping[int, SampledToken]
     prompt_logprobs: Mapping[int, Sequence[PromptTokenLogprob]]
     verified: Mapping[int, Sequence[SampledToken]] = field(default_factory=dict)
+    drafts: Mapping[int, Sequence[int]] = field(default_factory=dict)
 
 
 _TOP = np.dtype([("token", I64), ("logprob", F64)])
@@ -63,7 +66,9 @@ def _entries(name: str, make: type) -> TableSpec:
 SAMPLED = _entries("sampled", SampledToken)
 PROMPT = _entries("prompt_logprobs", PromptTokenLogprob)
 VERIFIED = _entries("verified", SampledToken)
-_LAYOUT = "iii" + "b" * 6
+DRAFTS = ids_spec("drafts", [("slot", I64)], "i", lambda e: (e[0],), lambda e: e[1],
+                  lambda v, ids: tuple(ids))
+_LAYOUT = "iii" + "b" * 8
 _FRAME_SLACK = 4096  # the frame's header and its bins' length prefixes, with room to spare
 
 
@@ -140,7 +145,8 @@ def encode_result(res: RankResult) -> bytes:
     if type(res.step_id) is not int or type(res.rank) is not int:
         raise ProtocolError("result: step_id and rank must be ints")
     body = [PROTOCOL_VERSION, res.step_id, res.rank, *encode_table(SAMPLED, sampled),
-            *encode_table(PROMPT, prompt), *encode_table(VERIFIED, verified)]
+            *encode_table(PROMPT, prompt), *encode_table(VERIFIED, verified),
+            *encode_table(DRAFTS, sorted(res.drafts.items()))]
     return pack_frame(body, MAX_FRAME_BYTES, "result frame")
 
 
@@ -156,8 +162,9 @@ def decode_result(frame: bytes, limits: WireLimits | None = None) -> RankResult:
         prompt = decode_table(PROMPT, f[5], f[6], tokens, k)
         verified = decode_table(VERIFIED, f[7], f[8], None if slots is None
                                 else slots * (MAX_DRAFT_TOKENS + 1), k)
+        drafts = decode_table(DRAFTS, f[9], f[10], slots, MAX_DRAFT_TOKENS)
         return RankResult(f[1], f[2], BySlot(sampled, True), BySlot(prompt, False),
-                          BySlot(verified, False))
+                          BySlot(verified, False), BySlot(drafts, True))
     except ProtocolError:
         raise
     except Exception as exc:  # defensive: no other exception type may escape

@@ -206,6 +206,8 @@ class RankExecutor:
         if rows is None:
             if self.world_size > 1:
                 self.runner.empty_forward()
+                if self.runner.mtp is not None:  # the head's passes exchange tokens too
+                    self.runner.propose_drafts(None, None, [], [], self.mirror.nblocks[me])
             return RankResult(cmd.step_id, me, {}, {})
         ahead = cmd.kind == KIND_DECODE_AHEAD
         nblocks = self.mirror.nblocks[me][rows.decode_slots] if ahead else None
@@ -225,6 +227,8 @@ class RankExecutor:
             self.folded[v.slot] = v.start + a + 1
         if rows.recurrent and kept:  # the held states take the fed token and accepted drafts
             self.runner.fold_verified(inp, kept)
+        drafts = ({} if self.runner.mtp is None else self.runner.propose_drafts(
+            rows, inp, tokens, kept, self.mirror.nblocks[me]))
         if nv:
             tokens = tokens[:nd] + tokens[nd + nv:]
         slots = rows.decode_slots[:nd].tolist() + [p.slot for p in rows.prefill if p.sample]
@@ -233,7 +237,7 @@ class RankExecutor:
             self.last_token[rows.decode_slots[:nd]] = [t.token_id for t in tokens[:nd]]
         for s, tok in zip(slots[nd:], tokens[nd:]):
             self.last_token[s] = tok.token_id
-        return RankResult(cmd.step_id, me, sampled, out.prompt_logprobs, verified)
+        return RankResult(cmd.step_id, me, sampled, out.prompt_logprobs, verified, drafts)
 
     # ------------------------------------------------------------------ worker loop
 

@@ -19,13 +19,16 @@ import torch
 
 from epserve.kernels.attention import AttentionMetadata
 from epserve.kernels.token_mask import apply_token_masks
+from epserve.models.config import CheckpointError
 from epserve.models.layer_cache import KvCacheSpec, LayerCacheSpec, StateCacheSpec
 from epserve.models.loader import load_model
+from epserve.models.mtp import load_mtp_head
 from epserve.models.parallel import ParallelInfo
 from epserve.models.traits import PromptTokenLogprob, SampledToken
 from epserve.worker.batch import BlockTables, RankRows, StepInputs, build_step_inputs
 from epserve.worker.cuda_graphs import DecodeGraphs
 from epserve.worker.lookahead import DecodeLookahead
+from epserve.worker.mtp_drafter import MtpDrafter
 from epserve.worker.runner_config import (  # noqa: F401 (re-exported)
     RunnerConfig, resolve_device, resolve_dtype,
 )
@@ -70,7 +73,9 @@ class Runner:
                              f"max_position_embeddings={mc.max_position_embeddings}")
         self.block_size = cfg.block_size
         specs = self.model.layer_cache_specs()
-        kv_specs = [c for c in specs if isinstance(c, KvCacheSpec)]
+        self.mtp_head = None if not cfg.mtp_drafts else self._mtp_head(parallel)
+        mtp_specs = () if self.mtp_head is None else self.mtp_head.layer_cache_specs()
+        kv_specs = [c for c in (*specs, *mtp_specs) if isinstance(c, KvCacheSpec)]
         state_specs = [c for c in specs if isinstance(c, StateCacheSpec)]
         # recurrent state: one slot per sequence slot, plus the spare one padded rows use
         self.spare_state_slot = cfg.max_num_seqs if state_specs else None
@@ -79,12 +84,18 @@ class Runner:
         self.num_blocks = cfg.num_kv_blocks or self._blocks_from_bytes(
             self._kv_budget() - state_bytes, per_block)
         self.kv_caches = [self._cache(c) for c in specs]
+        self.tables = BlockTables(cfg.max_num_seqs, -(-self.max_model_len // self.block_size))
+        self.mtp: MtpDrafter | None = None
+        if self.mtp_head is not None:
+            self.mtp = MtpDrafter(self.mtp_head, [self._cache(c) for c in mtp_specs],
+                                  self.model.rope, self.tables, self.block_size, self.device,
+                                  cfg.mtp_drafts, parallel.world_size)
+        self._hidden: torch.Tensor | None = None  # the last step's rows (the MTP head reads)
         # a prefix hit would need the recurrent state at the prefix: no snapshots are kept
         self.prefix_caching = cfg.enable_prefix_caching and not state_specs
         if cfg.enable_prefix_caching and state_specs:
             log.info("prefix caching is off: this model keeps recurrent state (gated DeltaNet) "
                      "and no state snapshots at block boundaries")
-        self.tables = BlockTables(cfg.max_num_seqs, -(-self.max_model_len // self.block_size))
         if self.device.type == "cuda" and parallel.world_size == 1 and cfg.warmup_tokens > 0:
             t0 = time.perf_counter()
             warm_up_prefill(self._forward, self.model.compute_logits, cfg.warmup_tokens,
@@ -107,6 +118,16 @@ class Runner:
             self.lookahead = DecodeLookahead(self._forward, self.graphs, self.tables,
                                              self.block_size, self.device, self.max_model_len)
         self._ready: torch.Tensor | None = None  # the lookahead's hidden states for this step
+
+    def _mtp_head(self, parallel: ParallelInfo):
+        """The checkpoint's MTP head (``mtp_drafts``); ``ValueError`` naming the method when
+        the checkpoint has none."""
+        try:
+            return load_mtp_head(self.cfg.model, self.model_config, self.model, dtype=self.dtype,
+                                 device=self.device, parallel=parallel,
+                                 load_format=self.cfg.load_format)
+        except CheckpointError as exc:
+            raise ValueError(f"speculative_config.method='mtp': {exc}") from None
 
     def _forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
                  meta: AttentionMetadata) -> torch.Tensor:
@@ -169,6 +190,7 @@ class Runner:
                 hidden = self.graphs.run(inp)  # [n, H]
             else:
                 hidden = self._forward(inp.input_ids, inp.positions, inp.meta)  # [T, H]
+            self._hidden = hidden if self.mtp is not None else None
             if rows.chunked:
                 if rows.prefill:
                     plps = self._prompt_logprobs(rows, hidden, inp.meta.query_start_loc)
@@ -210,6 +232,13 @@ class Runner:
         each row's states by its first ``kept[i]`` tokens, the fed token and the accepted
         drafts (``ModelSsmState``'s rollback to, and commit of, the accepted prefix)."""
         self.model.fold_held_states(self.kv_caches, inp.meta, kept)
+
+    def propose_drafts(self, rows: RankRows | None, inp: StepInputs | None,
+                       tokens: list[SampledToken], kept: list[int],
+                       nblocks: np.ndarray) -> dict[int, tuple[int, ...]]:
+        """The MTP head's drafts for the step just run (``worker.mtp_drafter``), by slot."""
+        hidden, self._hidden = self._hidden, None
+        return self.mtp.propose(rows, inp, hidden, tokens, kept, nblocks)
 
     @torch.inference_mode()
     def empty_forward(self) -> None:

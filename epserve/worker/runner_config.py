@@ -22,7 +22,9 @@ class RunnerConfig:
     ``decode_lookahead``: queue each pure decode step's likely successor on the device before
     the host reads its tokens (``worker.lookahead``); None: on wherever decode graphs are.
     ``max_logprobs``: the engine's bound on a row's logprobs (-1: the vocabulary size), which
-    the rank's validator holds every command to."""
+    the rank's validator holds every command to. ``mtp_drafts`` > 0: load the checkpoint's
+    MTP head and draft that many tokens per sampled sequence after each step
+    (``worker.mtp_drafter``; ``speculative_config`` method ``mtp``)."""
 
     model: str
     dtype: str = "auto"
@@ -41,6 +43,7 @@ class RunnerConfig:
     warmup_tokens: int = 0
     decode_lookahead: bool | None = None
     max_logprobs: int = MAX_LOGPROBS
+    mtp_drafts: int = 0
 
 
 def resolve_device(name: str) -> torch.device:

@@ -20,9 +20,10 @@ from typing import AbstractSet, Any, Callable, Sequence
 
 from epserve.models.traits import (
     CapabilityAbsent, EpCommandFailed, ForwardDisclosure, MixedBatchResult, PrefillSlice,
-    RankFailure, SampledToken, SequenceState,
+    SampledToken, SequenceState,
 )
-from epserve.worker.ep_results import RankResult, decode_result
+from epserve.worker.channels import EpChannel, LocalChannel
+from epserve.worker.ep_results import RankResult
 from epserve.worker.forward_forms import ForwardForms
 from epserve.worker.kv_book import KvBook, KvLifecycle
 from epserve.worker.rank_executor import RankExecutor, SoloComm
@@ -32,49 +33,10 @@ from epserve.worker.shipment import RankView, Shipment
 from epserve.models.acceptance import accepted
 from epserve.worker.step_command import (
     KIND_DECODE_AHEAD, KIND_SHUTDOWN, KIND_STEP, MaskRow, PrefillRow, Release, Rewind,
-    StepCommand, VerifyRow, encode,
+    StepCommand, VerifyRow,
 )
 
 log = logging.getLogger(__name__)
-
-
-class LocalChannel:
-    """One rank: rank 0's executor runs the command object itself; nothing is encoded."""
-
-    def __init__(self, rank0: RankExecutor):
-        self.rank0 = rank0
-
-    def run(self, cmd: StepCommand) -> list[RankResult]:
-        res = self.rank0.run(cmd)
-        return [] if res is None else [res]
-
-
-class EpChannel:
-    """N ranks: encode, broadcast, run rank 0's part, gather every rank's result. A failure
-    of the channel or of rank 0's forward is a ``RankFailure``."""
-
-    def __init__(self, rank0: RankExecutor, comm: Any):
-        self.rank0, self.comm = rank0, comm
-
-    def run(self, cmd: StepCommand) -> list[RankResult]:
-        frame = encode(cmd)
-        try:
-            self.comm.broadcast_bytes(frame, src=0)
-        except Exception as exc:
-            raise RankFailure(f"broadcast of step {cmd.step_id} failed: {exc}") from exc
-        try:
-            mine = self.rank0.step(frame)
-        except EpCommandFailed:
-            raise
-        except Exception as exc:
-            raise RankFailure(f"step {cmd.step_id} failed on rank 0: {exc}") from exc
-        if mine is None:  # shutdown
-            return []
-        try:
-            frames = self.comm.gather_bytes(mine, dst=0)
-        except Exception as exc:
-            raise RankFailure(f"gathering step {cmd.step_id} failed: {exc}") from exc
-        return [decode_result(f, self.rank0.limits) for f in frames]
 
 
 class StepModel(ForwardForms, KvLifecycle):
@@ -88,6 +50,7 @@ class StepModel(ForwardForms, KvLifecycle):
         self.model_config, self.max_model_len, self.block_size = (r.model_config,
                                                                    r.max_model_len, r.block_size)
         self.prefix_caching = r.prefix_caching  # off for a model with recurrent state
+        self.mtp_drafts = r.cfg.mtp_drafts  # tokens the MTP head drafts per sampled row
         self.book = KvBook(world_size, r.num_blocks, r.block_size, r.cfg.max_num_seqs,
                            r.max_model_len, r.prefix_caching)
         self.view = RankView(world_size, r.cfg.max_num_seqs)
@@ -108,6 +71,8 @@ class StepModel(ForwardForms, KvLifecycle):
         extra = {"ep"} if self.world_size > 1 else {"logits"}
         if self.runner.spare_state_slot is not None:  # recurrent state: each verify folds
             extra.add("ssm_state")  # its accepted prefix in on the rank (``ModelSsmState``)
+        if self.mtp_drafts:  # its MTP head drafts after every step (``SequenceState.drafts``)
+            extra.add("draft")
         return frozenset({"forward", "lifecycle", "streams", "circuit", "verify"} | extra)
 
     def forward_disclosure(self) -> ForwardDisclosure:
@@ -264,6 +229,8 @@ class StepModel(ForwardForms, KvLifecycle):
         """The next command: the scheduler's rows plus what the ranks do not know yet.
         ``left_out``: sequences this step fails (refused by the ranks): their pending rewinds
         stay out of the command too (still pending; the engine releases such a sequence)."""
+        if self.mtp_drafts:
+            self._reserve_for_drafts(decode_seqs, prefill_slices, drafts)
         ship = self._shipment = Shipment(self.view)
         verify = []
         if drafts is not None and any(drafts):
@@ -299,6 +266,22 @@ class StepModel(ForwardForms, KvLifecycle):
             rewinds=tuple(Rewind(r, s, n, b) for (r, s), (n, b)
                           in sorted(self.view.pending_rewinds.items())
                           if (r, s) not in left_out))
+
+    def _reserve_for_drafts(self, decode_seqs: Sequence[SequenceState],
+                            prefill_slices: Sequence[PrefillSlice],
+                            drafts: Sequence[Sequence[int]] | None) -> None:
+        """KV blocks, when the pool has them, for the positions the MTP head's chained
+        drafts run at after this step (up to ``mtp_drafts - 1`` past each sampled row's last
+        position; they travel with the step). A row without them drafts fewer tokens."""
+        extra = self.mtp_drafts - 1
+        if not extra:
+            return
+        reserve = self.book.reserve_blocks
+        for i, seq in enumerate(decode_seqs):
+            reserve(seq, seq.seq_len + 1 + (len(drafts[i]) if drafts else 0) + extra)
+        for sl in prefill_slices:
+            if sl.is_last_chunk:
+                reserve(sl.seq, sl.chunk_start + sl.chunk_len + extra)
 
     def _assemble(self, decode_tokens: Sequence[int], decode_seqs: Sequence[SequenceState],
                   prefill_slices: Sequence[PrefillSlice], results: list[RankResult],
@@ -352,6 +335,10 @@ class StepModel(ForwardForms, KvLifecycle):
                 got_ids.append(got.token_id)
             out_prefill.append(got)
         self.view.sampled(flats, got_ids)
+        if self.mtp_drafts:  # what each sampled sequence's rank drafted after it
+            for seq in [*decode_seqs, *(sl.seq for sl in prefill_slices if sl.is_last_chunk)]:
+                if (seq.rank, seq.slot_idx) not in failed:
+                    seq.drafts = tuple(results[seq.rank].drafts.get(seq.slot_idx, ()))
         logits = (self.rank0.last_logits if self.world_size == 1 and not failed and not verified
                   else None)
         nd = len(decode_seqs)

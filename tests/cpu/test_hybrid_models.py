@@ -180,15 +180,15 @@ def test_a_missing_or_misshapen_deltanet_tensor_is_named(next_ckpt, tmp_path):
 
 
 def test_an_mtp_head_in_the_checkpoint_loads_with_a_log_line(next_ckpt, tmp_path, caplog):
-    """The checkpoints ship ``mtp.*`` weights (the MTP draft head): unused until the proposer
-    exists, said once, and the model loads as without them."""
+    """The checkpoints ship ``mtp.*`` weights (the MTP draft head): the target leaves them to
+    ``models.mtp`` (loaded only for method 'mtp'), says so once, and loads as without them."""
     extra = {"mtp.fc.weight": torch.ones(4, 4), "mtp.layers.0.input_layernorm.weight":
              torch.ones(4)}
     _copy_with(next_ckpt, tmp_path / "mtp", lambda t: t.update(extra))
     with caplog.at_level(logging.INFO, logger="epserve.models.qwen3_next"):
         load_model(tmp_path / "mtp", dtype=torch.float32, device="cpu")
     assert [r.message for r in caplog.records if "MTP" in r.message] == [
-        "MTP head weights unused until the MTP proposer exists: 2 tensors under mtp."]
+        "MTP head weights, for speculative_config method 'mtp' only: 2 tensors under mtp."]
 
 
 def test_a_multimodal_checkpoint_serves_its_language_model(tmp_path, caplog):

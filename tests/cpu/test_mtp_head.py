@@ -23,7 +23,7 @@ from epserve.models.loader import load_model
 from epserve.models.mtp import MtpHead, load_mtp_head, mtp_tensor_files
 from epserve.models.parallel import ParallelInfo
 from fake_ep import LoopbackComm, RecordingComm
-from mtp_ckpt import dense_mtp, make_trained_mtp_checkpoint
+from mtp_ckpt import dense_mtp
 from tiny_ckpt import SUCC_HI, SUCC_LO, make_tiny_checkpoint
 
 BLOCK_SIZE, NUM_BLOCKS, NUM_SLOTS = 4, 64, 8
@@ -255,9 +255,8 @@ def test_two_ep_ranks_expert_shards_give_the_whole_head(tmp_path):
 
 
 @pytest.fixture(scope="module")
-def trained(tmp_path_factory):
-    path = make_trained_mtp_checkpoint("qwen3_5_moe", tmp_path_factory.mktemp("trained_mtp"))
-    return path, _load(path)
+def trained(trained_mtp_ckpt):
+    return trained_mtp_ckpt, _load(trained_mtp_ckpt)
 
 
 def _draft_agreement(target, head) -> tuple[float, float, float]:

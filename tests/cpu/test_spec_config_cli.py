@@ -31,7 +31,8 @@ def _serve(env, demo_model_dir, spec: str) -> subprocess.CompletedProcess:
 
 
 BAD = [
-    ({"method": "mtp", "num_speculative_tokens": 2}, ["speculative_config.method", "mtp"]),
+    ({"method": "mtp", "num_speculative_tokens": 2, "prompt_lookup_min": 2},
+     ["speculative_config.prompt_lookup_min", "mtp"]),
     ({"method": "eagle", "num_speculative_tokens": 2}, ["speculative_config.method", "eagle"]),
     ({"method": "nope", "num_speculative_tokens": 2}, ["speculative_config.method", "nope"]),
     ({"method": "ngram", "num_speculative_tokens": 0},
@@ -54,7 +55,7 @@ def test_serve_yaml_refuses_a_bad_speculative_config_naming_the_key(demo_model_d
     assert all(word in str(err.value) for word in named), str(err.value)
 
 
-@pytest.mark.parametrize("spec, named", [BAD[0], BAD[3]], ids=["method", "k"])
+@pytest.mark.parametrize("spec, named", [BAD[0], BAD[3]], ids=["mtp-key", "k"])
 def test_serve_refuses_a_bad_speculative_config_naming_the_key(env, demo_model_dir, spec,
                                                                named):
     proc = _serve(env, demo_model_dir, json.dumps(spec))

@@ -144,7 +144,7 @@ def test_a_rejected_tail_gives_its_blocks_back(qwen3_ckpt):
 
 
 @pytest.mark.parametrize("bad,key", [
-    ({"method": "mtp", "num_speculative_tokens": 2}, "method"),
+    ({"method": "mtp", "num_speculative_tokens": 2}, "method='mtp'.*no MTP head"),
     ({"method": "draft_model", "num_speculative_tokens": 2, "model": "/no/such"}, "model"),
     ({"method": "bogus", "num_speculative_tokens": 2}, "method"),
     ({"method": "ngram"}, "num_speculative_tokens"),

@@ -208,13 +208,17 @@ def _recs(spec, n: int, count: int = 0) -> bytes:
     ("command", lambda n: _bins(rew=bytes(n))),
     ("command", lambda n: _bins(ver=_recs(P.VERIFY, n // 44, 1), ver_ids=bytes(4 * (n // 44)))),
     ("result", lambda n: msgpack.packb([V, 0, 0, _recs(R.SAMPLED, n // 48, 1),
-                                        bytes(16 * (n // 48)), b"", b"", b"", b""])),
+                                        bytes(16 * (n // 48)), b"", b"", b"", b"", b"", b""])),
     ("result", lambda n: msgpack.packb([V, 0, 0, b"", b"", _recs(R.PROMPT, n // 48, 1),
-                                        bytes(16 * (n // 48)), b"", b""])),
+                                        bytes(16 * (n // 48)), b"", b"", b"", b""])),
     ("result", lambda n: msgpack.packb([V, 0, 0, b"", b"", b"", b"",
-                                        _recs(R.VERIFIED, n // 48, 1), bytes(16 * (n // 48))])),
+                                        _recs(R.VERIFIED, n // 48, 1), bytes(16 * (n // 48)),
+                                        b"", b""])),
+    ("result", lambda n: msgpack.packb([V, 0, 0, b"", b"", b"", b"", b"", b"",
+                                        _recs(R.DRAFTS, n // 80, 16),
+                                        bytes(64 * (n // 80))])),
 ], ids=["decode", "releases", "new_seqs", "tokens", "blocks", "masks", "rewinds", "verify",
-        "sampled", "prompt", "verified"])
+        "sampled", "prompt", "verified", "drafts"])
 def test_big_well_formed_frames_cost_at_most_4x(which, make):
     """Frames the layout accepts (millions of rows, ids or alternatives) decode within bounds:
     their rows stay records until read."""

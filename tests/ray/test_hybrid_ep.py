@@ -42,6 +42,16 @@ def test_hybrid_over_ep_matches_one_rank(ray_cluster, tmp_path, arch, ep_size):
             [d[t].logprob for d, t in zip(w.logprobs, w.token_ids)], abs=1e-5)
 
 
+def _settled(llm: LLM, generated: int) -> dict:
+    """The head's counters once they count ``generated`` tokens (published just after the
+    outputs are handed over)."""
+    deadline = time.monotonic() + 10
+    while (stats := llm.stats())["generation_tokens"] < generated:
+        assert time.monotonic() < deadline, stats
+        time.sleep(0.05)
+    return stats
+
+
 def test_speculation_on_a_hybrid_over_ep_matches_one_rank(ray_cluster, tmp_path):
     """n-gram drafts verified on the ranks that hold each sequence's states (each folds the
     accepted prefix in by its own verdict): the tokens and logprobs of one rank without
@@ -52,11 +62,7 @@ def test_speculation_on_a_hybrid_over_ep_matches_one_rank(ray_cluster, tmp_path)
     ep = LLM(model=str(ckpt), ep_size=2, speculative_config=NGRAM, **STRESS)
     try:
         got = [o.outputs[0] for o in ep.generate(prompts, GREEDY)]
-        deadline = time.monotonic() + 10  # the head publishes its counters just after
-        while (stats := ep.stats())["generation_tokens"] < GREEDY.max_tokens * len(prompts):
-            assert time.monotonic() < deadline, stats
-            time.sleep(0.05)
-        spec = stats["spec_decode"]
+        spec = _settled(ep, GREEDY.max_tokens * len(prompts))["spec_decode"]
     finally:
         ep.close()
     assert [g.token_ids for g in got] == [w.token_ids for w in want]
@@ -64,3 +70,24 @@ def test_speculation_on_a_hybrid_over_ep_matches_one_rank(ray_cluster, tmp_path)
         assert [d[t].logprob for d, t in zip(g.logprobs, g.token_ids)] == pytest.approx(
             [d[t].logprob for d, t in zip(w.logprobs, w.token_ids)], abs=1e-5)
     assert 0 < spec["num_accepted_tokens"] < spec["num_draft_tokens"], spec
+
+
+def test_mtp_drafts_over_ep_match_one_rank(ray_cluster, trained_mtp_ckpt):
+    """The MTP head drafts on each sequence's rank after every step; its MoE exchanges tokens
+    with the other ranks, which run every draft pass too: the outputs of one rank without
+    speculation, most drafts accepted."""
+    prompts = [{"prompt_token_ids": p} for p in counting_prompts()]
+    want = [o.outputs[0] for o in
+            LLM(model=str(trained_mtp_ckpt), **STRESS).generate(prompts, GREEDY)]
+    ep = LLM(model=str(trained_mtp_ckpt), ep_size=2, **STRESS,
+             speculative_config={"method": "mtp", "num_speculative_tokens": 2})
+    try:
+        got = [o.outputs[0] for o in ep.generate(prompts, GREEDY)]
+        spec = _settled(ep, GREEDY.max_tokens * len(prompts))["spec_decode"]
+    finally:
+        ep.close()
+    assert [g.token_ids for g in got] == [w.token_ids for w in want]
+    for g, w in zip(got, want):
+        assert [d[t].logprob for d, t in zip(g.logprobs, g.token_ids)] == pytest.approx(
+            [d[t].logprob for d, t in zip(w.logprobs, w.token_ids)], abs=1e-5)
+    assert spec["num_accepted_tokens"] >= 0.5 * spec["num_draft_tokens"] > 0, spec

@@ -11,6 +11,12 @@ where ``S`` [Dk, Dv] is the slot's state (zeros where ``fresh[s]``: nothing is r
 back after the token. Only the sequences' slots are written; padded rows of a CUDA graph all
 name the spare slot, which they may overwrite.
 
+``gated_delta_decode_gates_triton`` is the same launch given the layer's projections ``a``, ``b``
+and its ``A_log``, ``dt_bias`` instead of g and beta: each program computes its head's
+``g = -exp(A_log) * softplus(a + dt_bias)`` (float32; softplus ``log1p(exp(x))``, ``x`` above
+20, as torch's) and ``beta = sigmoid(b)`` (rounded to b's dtype, as ``b.sigmoid()``), i.e.
+``delta_gates_ref``, so a decode step launches no torch op for them.
+
 Grid: (sequence, value head, block of BV value columns): each program holds a [Dk, BV] float32
 tile of the state (``Dk <= MAX_DELTA_DK``); the blocks of one head share nothing but q and k.
 Every stored value depends on a reduction over the whole tile, so all of it is loaded before
@@ -30,12 +36,14 @@ from epserve.kernels.dispatch import (DTYPES, MAX_DELTA_DK, check_devices, check
 
 @triton.jit
 def _gated_delta_decode_kernel(q_ptr, k_ptr, v_ptr, g_ptr, beta_ptr, pool_ptr, slot_ptr,
-                               fresh_ptr, o_ptr,
+                               fresh_ptr, o_ptr, alog_ptr, dtb_ptr,
                                stride_qs, stride_qh, stride_ks, stride_kh, stride_vs, stride_vh,
                                stride_gs, stride_gh, stride_bs, stride_bh,
                                stride_pn, stride_ph, stride_pk, stride_os, stride_oh,
                                group, DK, DV, scale, eps,
-                               DK_P: tl.constexpr, BV: tl.constexpr):
+                               DK_P: tl.constexpr, BV: tl.constexpr, GATES: tl.constexpr):
+    """GATES: ``g_ptr`` / ``beta_ptr`` hold the projections a / b, and g, beta are computed
+    here from them and ``A_log`` / ``dt_bias`` [Hv]."""
     s = tl.program_id(0).to(tl.int64)
     h = tl.program_id(1).to(tl.int64)
     offs_k = tl.arange(0, DK_P)
@@ -50,8 +58,20 @@ def _gated_delta_decode_kernel(q_ptr, k_ptr, v_ptr, g_ptr, beta_ptr, pool_ptr, s
     k = k * tl.rsqrt(tl.sum(k * k, axis=0) + eps)
     v = tl.load(v_ptr + s * stride_vs + h * stride_vh + offs_v, mask=mask_v,
                 other=0.0).to(tl.float32)
-    decay = tl.exp(tl.load(g_ptr + s * stride_gs + h * stride_gh).to(tl.float32))
-    beta = tl.load(beta_ptr + s * stride_bs + h * stride_bh).to(tl.float32)
+    if GATES:
+        x = tl.load(g_ptr + s * stride_gs + h * stride_gh).to(tl.float32) \
+            + tl.load(dtb_ptr + h).to(tl.float32)
+        e = tl.exp(tl.minimum(x, 20.0))
+        u = 1.0 + e  # log1p(e) = log(u) * e / (u - 1), exact to a few ulps (e = 0 when u == 1)
+        log1p = tl.where(u == 1.0, e, tl.log(u) * (e / tl.where(u == 1.0, 1.0, u - 1.0)))
+        softplus = tl.where(x > 20.0, x, log1p)
+        g = -tl.exp(tl.load(alog_ptr + h).to(tl.float32)) * softplus
+        b_raw = tl.load(beta_ptr + s * stride_bs + h * stride_bh)
+        beta = tl.sigmoid(b_raw.to(tl.float32)).to(b_raw.dtype).to(tl.float32)
+    else:
+        g = tl.load(g_ptr + s * stride_gs + h * stride_gh).to(tl.float32)
+        beta = tl.load(beta_ptr + s * stride_bs + h * stride_bh).to(tl.float32)
+    decay = tl.exp(g)
     slot = tl.load(slot_ptr + s).to(tl.int64)
     # A fresh sequence starts from zeros: no row of the state is read (folded into the integer
     # bound, as a scalar bool in a tensor mask is refused by newer Triton interpreters).
@@ -79,37 +99,61 @@ def gated_delta_decode_triton(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
 
     q, k: [S, Hk, Dk]; v: [S, Hv, Dv] (Hv a multiple of Hk; fp32/fp16/bf16, each its own, last
     dim contiguous, other strides free); g, beta: [S, Hv] (the log decay and the write
-    strength, any float dtype of ``DTYPES``); state_pool: [N, Hv, Dk, Dv] (float32 as a rule,
-    last dim contiguous); slots: [S] int64/int32; fresh: [S] bool. q is scaled by
+    strength, any float dtype of ``DTYPES``, any strides); state_pool: [N, Hv, Dk, Dv] (float32
+    as a rule, last dim contiguous); slots: [S] int64/int32; fresh: [S] bool. q is scaled by
     ``Dk ** -0.5`` after its L2 norm. Returns o [S, Hv, Dv] in v's dtype."""
-    name = "gated_delta_decode_triton"
+    return _launch("gated_delta_decode_triton", q, k, v, g, beta, None, state_pool, slots, fresh,
+                   eps)
+
+
+def gated_delta_decode_gates_triton(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                                    a: torch.Tensor, b: torch.Tensor, A_log: torch.Tensor,
+                                    dt_bias: torch.Tensor, state_pool: torch.Tensor,
+                                    slots: torch.Tensor, fresh: torch.Tensor,
+                                    eps: float = 1e-6) -> torch.Tensor:
+    """``gated_delta_decode_triton(q, k, v, *delta_gates_ref(a, b, A_log, dt_bias), ...)`` in
+    one launch: a, b [S, Hv] (the projection's columns, any strides), A_log, dt_bias [Hv]
+    (any float dtype of ``DTYPES``)."""
+    return _launch("gated_delta_decode_gates_triton", q, k, v, a, b, (A_log, dt_bias),
+                   state_pool, slots, fresh, eps)
+
+
+def _launch(name, q, k, v, g, beta, gates, state_pool, slots, fresh, eps) -> torch.Tensor:
+    """Check, then launch the kernel (``gates``: (A_log, dt_bias), and g / beta are a / b)."""
     if q.dim() != 3 or q.shape != k.shape or v.dim() != 3 or v.shape[0] != q.shape[0]:
         raise ValueError(f"{name}: q {tuple(q.shape)}, k {tuple(k.shape)} must be [S, Hk, Dk] "
                          f"and v {tuple(v.shape)} [S, Hv, Dv]")
     s, hk, dk = q.shape
     hv, dv = v.shape[1:]
     if hk == 0 or hv % hk or g.shape != (s, hv) or beta.shape != (s, hv):
-        raise ValueError(f"{name}: {hv} value heads over {hk} key heads, g {tuple(g.shape)} "
-                         f"and beta {tuple(beta.shape)} must be [{s}, {hv}]")
+        raise ValueError(f"{name}: {hv} value heads over {hk} key heads, g/a {tuple(g.shape)} "
+                         f"and beta/b {tuple(beta.shape)} must be [{s}, {hv}]")
     if dk > MAX_DELTA_DK:
         raise ValueError(f"{name}: key head dim {dk} > {MAX_DELTA_DK}")
     check_state_step(name, state_pool, (hv, dk, dv), slots, fresh, rows=s)
-    if any(t.dtype not in DTYPES for t in (q, k, v, g, beta)):
-        raise ValueError(f"{name}: q, k, v, g, beta dtypes must be in {DTYPES}")
+    extra = () if gates is None else gates
+    if any(t.shape != (hv,) for t in extra):
+        raise ValueError(f"{name}: A_log and dt_bias {[tuple(t.shape) for t in extra]} must be "
+                         f"[{hv}]")
+    if any(t.dtype not in DTYPES for t in (q, k, v, g, beta, *extra)):
+        raise ValueError(f"{name}: q, k, v, g, beta (a, b, A_log, dt_bias) dtypes must be in "
+                         f"{DTYPES}")
     if any(t.stride(-1) != 1 for t in (q, k, v, state_pool)) and min(dk, dv) > 1:
         raise ValueError(f"{name}: q, k, v and the state pool need a contiguous last dim")
-    check_devices(name, (q, k, v, g, beta, state_pool, slots, fresh), INTERPRETED,
+    check_devices(name, (q, k, v, g, beta, state_pool, slots, fresh, *extra), INTERPRETED,
                   "epserve.kernels.triton.gated_delta_decode")
     o = torch.empty(s, hv, dv, dtype=v.dtype, device=v.device)
     if s == 0 or dv == 0:
         return o
+    alog, dtb = (g, g) if gates is None else (gates[0].contiguous(), gates[1].contiguous())
     dk_p = triton.next_power_of_2(dk)
     bv = min(triton.next_power_of_2(dv), max(8, 4096 // dk_p))
     _gated_delta_decode_kernel[(s, hv, triton.cdiv(dv, bv))](
         q, k, v, g, beta, state_pool, slots.contiguous(), fresh.contiguous().view(torch.uint8), o,
+        alog, dtb,
         q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
         g.stride(0), g.stride(1), beta.stride(0), beta.stride(1),
         state_pool.stride(0), state_pool.stride(1), state_pool.stride(2),
         o.stride(0), o.stride(1), hv // hk, dk, dv, dk ** -0.5, eps,
-        DK_P=dk_p, BV=bv, num_warps=4 if dk_p * bv >= 2048 else 2)
+        DK_P=dk_p, BV=bv, GATES=gates is not None, num_warps=4 if dk_p * bv >= 2048 else 2)
     return o

@@ -1,0 +1,139 @@
+"""MtpDrafter: one rank's MTP proposals, run after each step on the step's own hidden states.
+
+The model's MTP head (``models.mtp``) pairs the target's hidden state at position p with the
+token at p + 1 and drafts the token at p + 2; its one attention layer keeps a paged KV of its
+own over the target's block tables. After the target's forward and sampling, this runs:
+
+- pass 0 over every position the step computed whose next token is now known: a decode row's
+  (next: its sampled token), a verify row's accepted prefix and the position after it (next:
+  the accepted drafts, then the target's token there; a rejected position is left out), a
+  prefill chunk's positions (next: the prompt's following tokens, then the chunk's
+  ``next_token`` or, on a prompt's last chunk, its sampled token). It writes the head's KV at
+  each of those positions (so the head's KV always covers what the target computed), and each
+  sampled sequence's last row gives its first draft (greedy);
+- passes 1..k-1 chain: each drafting sequence one row at the next position, fed its last draft
+  and the head's own output hidden (vLLM's chaining), while that position has a KV block (the
+  leader reserves them with the step; a sequence without stops drafting early).
+
+Invariants: drafts are greedy (deterministic), so verifying them is exact
+(``models.acceptance``); a position's head KV written by a chain pass is rewritten by pass 0
+once the target computes that position, before any row reads it. Under EP the head's MoE
+exchanges tokens between ranks, so every rank runs all k passes of every step, with no rows
+where it has none; one rank skips passes with no rows.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Sequence
+
+import numpy as np
+import torch
+
+from epserve.kernels.attention import AttentionMetadata
+from epserve.models.traits import SampledToken
+from epserve.worker.batch import BlockTables, RankRows, StepInputs, build_step_inputs
+from epserve.worker.step_command import PrefillRow
+
+
+class MtpDrafter:
+    """Drafts ``k`` tokens per sampled sequence with ``head`` (an ``MtpHead``) over its KV
+    ``caches`` (one per head layer) and the rank's block ``tables``."""
+
+    def __init__(self, head: Any, caches: list, rope: Any, tables: BlockTables, block_size: int,
+                 device: torch.device, k: int, world_size: int):
+        self.head, self.caches, self.rope = head, caches, rope
+        self.tables, self.block_size, self.device = tables, block_size, device
+        self.k, self.world_size = k, world_size
+
+    @torch.inference_mode()
+    def propose(self, rows: RankRows | None, inp: StepInputs | None, hidden: torch.Tensor | None,
+                tokens: Sequence[SampledToken], kept: Sequence[int],
+                nblocks: np.ndarray) -> dict[int, tuple[int, ...]]:
+        """Drafts by slot for this rank's sampled sequences of the step just run. ``hidden``:
+        the target's hidden [T, H] at every computed row (flat order of ``inp``); ``tokens``:
+        the sampled rows' tokens; ``kept``: each verify row's accepted drafts + 1; ``nblocks``:
+        this rank's block count per slot. ``rows`` None: the rank had no rows (EP: it still
+        joins every pass)."""
+        first = None if rows is None else self._first_pass(rows, inp, tokens, kept)
+        if first is None:
+            self._idle(self.k)
+            return {}
+        pass_rows, idx, slots = first
+        step_in = build_step_inputs(pass_rows, self.tables, self.block_size, self.device)
+        out = self._run(0, step_in.input_ids, hidden[idx], step_in.positions, step_in.meta)
+        out = out[step_in.sample_index]  # each drafting sequence's last row
+        pos = np.concatenate([pass_rows.decode_pos,
+                              [p.start + len(p.tokens) - 1 for p in pass_rows.prefill
+                               if p.sample]]).astype(np.int64)
+        cur = self._greedy(out)
+        drafts = {s: [d] for s, d in zip(slots, cur)}
+        live = np.asarray(slots, dtype=np.int64)
+        for step in range(1, self.k):
+            pos = pos + 1
+            ok = pos < nblocks[live] * self.block_size  # the next position has a KV block
+            if not ok.all():
+                live, pos, out = live[ok], pos[ok], out[torch.as_tensor(ok, device=out.device)]
+                cur = [c for c, o in zip(cur, ok.tolist()) if o]
+            if not len(live):
+                self._idle(self.k - step, step)
+                break
+            chain = RankRows(live, pos, np.array(cur, dtype=np.int64), (), [], [])
+            step_in = build_step_inputs(chain, self.tables, self.block_size, self.device)
+            out = self._run(step, step_in.input_ids, out, step_in.positions, step_in.meta)
+            cur = self._greedy(out)
+            for s, d in zip(live.tolist(), cur):
+                drafts[s].append(d)
+        return {s: tuple(d) for s, d in drafts.items()}
+
+    def _first_pass(self, rows: RankRows, inp: StepInputs, tokens: Sequence[SampledToken],
+                    kept: Sequence[int]) -> tuple[RankRows, torch.Tensor, list[int]] | None:
+        """Pass 0's rows (decode rows, then each verify row's kept positions and each prefill
+        chunk as chunks), the flat target rows they read, and the drafting slots in the order
+        of the pass's sampled rows."""
+        nplain = rows.num_decode - rows.num_verify_positions
+        tok = [t.token_id for t in tokens]
+        idx = list(range(nplain))
+        chunks: list[PrefillRow] = []
+        at, flat = nplain, nplain  # the next sampled token, the next flat target row
+        for v, m in zip(rows.verify, kept):
+            nxt = tuple(int(d) for d in v.drafts[:m - 1]) + (tok[at + m - 1],)
+            chunks.append(PrefillRow(0, v.slot, v.start, nxt, True, 0, -1))
+            idx.extend(range(flat, flat + m))
+            at, flat = at + len(v.tokens), flat + len(v.tokens)
+        qsl = inp.meta.query_start_loc
+        for r, p in enumerate(rows.prefill):
+            start = qsl[rows.first_prefill_seq + r]
+            last = tok[at] if p.sample else p.next_token
+            at += bool(p.sample)
+            nxt = tuple(int(t) for t in p.tokens[1:]) + ((last,) if last >= 0 else ())
+            if nxt:
+                chunks.append(PrefillRow(0, p.slot, p.start, nxt, bool(p.sample), 0, -1))
+                idx.extend(range(start, start + len(nxt)))
+        slots = rows.decode_slots[:nplain].tolist() + [c.slot for c in chunks if c.sample]
+        if not idx:
+            return None
+        pass_rows = RankRows(rows.decode_slots[:nplain], rows.decode_pos[:nplain],
+                             np.array(tok[:nplain], dtype=np.int64), chunks, [], [])
+        return pass_rows, torch.tensor(idx, device=self.device), slots
+
+    def _run(self, step: int, ids: torch.Tensor, hidden: torch.Tensor, positions: torch.Tensor,
+             meta: AttentionMetadata) -> torch.Tensor:
+        cache = self.caches[self.head.layer_for_step(step)]
+        return self.head(ids, hidden, positions, cache, meta, self.rope, step=step)
+
+    def _greedy(self, hidden: torch.Tensor) -> list[int]:
+        return self.head.compute_logits(hidden).argmax(dim=-1).tolist()
+
+    def _idle(self, passes: int, first_step: int = 0) -> None:
+        """Passes with no rows: under EP each still joins the head's MoE exchange."""
+        if self.world_size == 1:
+            return
+        empty = torch.empty(0, dtype=torch.int64, device=self.device)
+        h = torch.empty(0, self.head.cfg.hidden_size, device=self.device,
+                        dtype=self.head.fc.weight.dtype)
+        meta = AttentionMetadata(slot_mapping=empty, query_start_loc=(0,), seq_lens=(),
+                                 block_tables=torch.zeros((0, 1), dtype=torch.int32,
+                                                          device=self.device),
+                                 block_size=self.block_size)
+        for step in range(first_step, first_step + passes):
+            self._run(step, empty, h, empty, meta)
