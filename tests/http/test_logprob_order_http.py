@@ -79,3 +79,21 @@ def test_prompt_logprobs_start_with_the_prompt_token(client, server, offline_llm
         assert list(pos)[0] == str(tid)
         ranks = [e["rank"] for e in list(pos.values())[1:]]
         assert None not in ranks and ranks == sorted(ranks)  # then the top k in rank order
+
+
+def test_an_echoed_prompt_shows_logprobs_plus_one_entries(client, server):
+    """vLLM's cap for the echoed prompt's positions: the prompt token and the top k of
+    ``logprobs``, even when ``prompt_logprobs`` asked the engine for more."""
+    r = client.completions.create(model=server.model, prompt=PROMPT, max_tokens=2, echo=True,
+                                  logprobs=1, temperature=0,
+                                  extra_body={**IDS, "prompt_logprobs": 3})
+    choice = r.choices[0]
+    plps = choice.model_extra["prompt_logprobs"]
+    lp = choice.logprobs
+    n = len(plps)
+    assert lp.top_logprobs[0] is None and plps[0] is None
+    for token, top, full in zip(lp.tokens[1:n], lp.top_logprobs[1:n], plps[1:]):
+        assert 1 <= len(top) <= 2 < len(full) <= 4
+        assert list(top)[0] == token == f"token_id:{list(full)[0]}"
+        assert list(top) == [f"token_id:{t}" for t in full][:len(top)]
+    assert all(1 <= len(top) <= 2 for top in lp.top_logprobs[n:])  # the generated tokens
