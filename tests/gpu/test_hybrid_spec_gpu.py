@@ -1,0 +1,51 @@
+"""Speculative decoding on a gated-DeltaNet hybrid on CUDA (skipped without a GPU): a verify row
+is one k+1-token sequence through fla-core's chunked kernels (or the references without fla)
+with its states held, the accepted prefix folded in by the decode kernels (one token) or the
+chunked ones; plain decode steps replay CUDA graphs. n-gram and MTP speculation change no
+token of the fp32 output (bf16 would let a held-then-folded state round differently from a
+decoded one), and the MTP head's drafts are mostly accepted."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from epserve import LLM, SamplingParams
+from spec_ckpt import counting_prompts, make_successor_checkpoint
+
+pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+
+GREEDY = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
+SEEDED = SamplingParams(temperature=0.8, seed=3, max_tokens=16, ignore_eos=True)
+
+
+def _common(path) -> dict:
+    return dict(model=str(path), dtype="float32", device="cuda", max_model_len=256,
+                num_kv_blocks=256, block_size=16)
+
+
+@pytest.mark.parametrize("arch", ["qwen3_next", "qwen3_5_moe"])
+def test_ngram_speculation_on_a_hybrid_changes_no_token(tmp_path, arch):
+    ckpt = make_successor_checkpoint(arch, tmp_path / arch)
+    reqs = [{"prompt_token_ids": p} for p in counting_prompts()]
+    plain = LLM(**_common(ckpt))
+    spec = LLM(**_common(ckpt), speculative_config={
+        "method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 3,
+        "prompt_lookup_min": 1})
+    assert spec.model.runner.graphs is not None
+    for sp in (GREEDY, SEEDED):
+        want = [o.outputs[0].token_ids for o in plain.generate(reqs, sp)]
+        assert [o.outputs[0].token_ids for o in spec.generate(reqs, sp)] == want
+    st = spec.engine.stats.spec
+    assert 0 < st.num_accepted_tokens < st.num_draft_tokens, st
+
+
+def test_mtp_speculation_on_cuda_changes_no_token(trained_mtp_ckpt):
+    reqs = [{"prompt_token_ids": p} for p in counting_prompts()]
+    want = [o.outputs[0].token_ids for o in LLM(**_common(trained_mtp_ckpt)).generate(reqs,
+                                                                                       GREEDY)]
+    spec = LLM(**_common(trained_mtp_ckpt),
+               speculative_config={"method": "mtp", "num_speculative_tokens": 2})
+    assert [o.outputs[0].token_ids for o in spec.generate(reqs, GREEDY)] == want
+    st = spec.engine.stats.spec
+    assert st.num_accepted_tokens >= 0.5 * st.num_draft_tokens > 0, st
