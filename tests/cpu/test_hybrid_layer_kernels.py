@@ -1,0 +1,183 @@
+"""The hybrids' token mixers on the Triton path (every kernel in the interpreter, on CPU) against
+the same layers on the reference path (what a CPU run takes; the parity tests hold it to
+transformers): a GatedDeltaNet layer and a GatedAttention layer (partial rotary 0.25,
+zero-centred q/k norms, output gate) through a chunked prefill of two sequences and decode
+steps with device lengths (a CUDA graph's form: one fused launch per op), with the layer's
+norm before it; and a held speculative verify on the DeltaNet layer, which still logs g and
+beta as tensors and folds the accepted prefix in.
+
+fp32 throughout: outputs, states and caches agree to float32 rounding (the kernels sum in
+another order), so the tolerance is 1e-4.
+"""
+
+from __future__ import annotations
+
+import pytest
+from kernel_interp import HAS_TRITON, interpreted_modules, use_interpreted
+
+if not HAS_TRITON:
+    pytest.skip("triton is not installed", allow_module_level=True)
+
+import torch  # noqa: E402
+
+from epserve.kernels.attention import AttentionMetadata  # noqa: E402
+from epserve.models.config import ModelConfig  # noqa: E402
+from epserve.models.gated_attention import GatedAttention  # noqa: E402
+from epserve.models.gated_deltanet import GatedDeltaNet  # noqa: E402
+from epserve.models.layers import RotaryEmbedding, ZeroCentredRMSNorm  # noqa: E402
+
+_NAMES = ("norm", "linear", "causal_conv_update", "gated_delta_decode", "rope", "rope_decode",
+          "paged_attention", "paged_prefill", "kv_write")
+_MODS = interpreted_modules(*_NAMES)
+TOL = dict(atol=1e-4, rtol=1e-4)
+BS = 4
+
+
+def _cfg(layer_type: str) -> ModelConfig:
+    return ModelConfig(architecture="Qwen3_5MoeForCausalLM", model_type="qwen3_5_moe_text",
+                       vocab_size=64, hidden_size=48, num_layers=1, num_heads=4, num_kv_heads=2,
+                       head_dim=16, rms_norm_eps=1e-6, rope_theta=1e4,
+                       max_position_embeddings=64, num_experts=2, top_k=1,
+                       moe_intermediate_size=8, intermediate_size=16, layer_types=(layer_type,),
+                       partial_rotary_factor=0.25, linear_num_key_heads=2,
+                       linear_num_value_heads=4, linear_key_head_dim=8, linear_value_head_dim=12,
+                       linear_conv_kernel_dim=4)
+
+
+def _init(module: torch.nn.Module, seed: int) -> None:
+    gen = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for p in module.parameters():  # 1-D: norms (zero-centred: around 0), A_log, dt_bias
+            p.copy_(torch.randn(p.shape, generator=gen) * (0.1 if p.dim() == 1 else 0.2))
+
+
+def _steps(prompt_lens, decode_steps):
+    """(rows, query_start_loc, seq_lens, decode) per step: one prefill of every sequence, then
+    decode steps of one row each."""
+    out = [(sum(prompt_lens), tuple([0, *torch.tensor(prompt_lens).cumsum(0).tolist()]),
+            tuple(prompt_lens), False)]
+    lens = list(prompt_lens)
+    for _ in range(decode_steps):
+        lens = [n + 1 for n in lens]
+        out.append((len(lens), tuple(range(len(lens) + 1)), tuple(lens), True))
+    return out
+
+
+def _meta(qsl, seq_lens, decode, tables, slots, **kw):
+    rows = [p for s, n in enumerate(seq_lens) for p in range(n - (qsl[s + 1] - qsl[s]), n)]
+    slot_mapping = torch.tensor([int(tables[s, p // BS]) * BS + p % BS
+                                 for s, n in enumerate(seq_lens)
+                                 for p in range(n - (qsl[s + 1] - qsl[s]), n)])
+    return AttentionMetadata(slot_mapping=slot_mapping, query_start_loc=qsl, seq_lens=seq_lens,
+                             block_tables=tables, block_size=BS,
+                             seq_lens_t=torch.tensor(seq_lens, dtype=torch.int32) if decode
+                             else None, state_slots=slots, **kw), torch.tensor(rows)
+
+
+_MOD = dict(zip(_NAMES, _MODS))
+#: the kernels a decode step of each layer must launch on the Triton path (module, entry)
+_DECODE_KERNELS = {
+    "linear_attention": [("norm", "fused_add_rms_norm_triton"),
+                         ("causal_conv_update", "causal_conv_update_triton"),
+                         ("gated_delta_decode", "gated_delta_decode_gates_triton"),
+                         ("norm", "gated_rms_norm_triton")],
+    "full_attention": [("norm", "fused_add_rms_norm_triton"),
+                       ("rope_decode", "rope_paged_decode_triton")],
+}
+
+
+def _spy(monkeypatch, layer_type) -> dict:
+    """Count the calls of the layer type's decode kernels."""
+    calls: dict = {}
+    for mod, name in _DECODE_KERNELS[layer_type]:
+        fn = getattr(_MOD[mod], name)
+
+        def spy(*a, _fn=fn, _name=name, **kw):
+            calls[_name] = calls.get(_name, 0) + 1
+            return _fn(*a, **kw)
+
+        monkeypatch.setattr(_MOD[mod], name, spy)
+    return calls
+
+
+def _run_layer(layer_type, interpreted, monkeypatch):
+    """The layer's outputs over the steps and its cache afterwards, on one path."""
+    if interpreted:
+        use_interpreted(monkeypatch, _NAMES, _MODS)
+        calls = _spy(monkeypatch, layer_type)
+    else:
+        monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    cfg = _cfg(layer_type)
+    torch.manual_seed(0)
+    mixer = GatedDeltaNet(cfg) if layer_type == "linear_attention" else GatedAttention(cfg)
+    norm = ZeroCentredRMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+    _init(mixer, 1)
+    _init(norm, 2)
+    if layer_type == "linear_attention":
+        with torch.no_grad():
+            mixer.A_log.copy_(torch.linspace(-1, 1, cfg.linear_num_value_heads))
+        spec = mixer.cache_spec()
+        gen = torch.Generator().manual_seed(3)
+        cache = (torch.randn(4, *spec.conv_shape, generator=gen),
+                 torch.randn(4, *spec.recurrent_shape, generator=gen))
+    else:
+        gen = torch.Generator().manual_seed(3)
+        cache = tuple(torch.randn(12, BS, cfg.num_kv_heads, cfg.head_dim, generator=gen)
+                      for _ in range(2))
+    rope = RotaryEmbedding(cfg.rotary_dim, cfg.max_position_embeddings, cfg.rope_theta)
+    tables = torch.tensor([[1, 2, 3, 4], [5, 6, 7, 8]], dtype=torch.int32)
+    slots = torch.tensor([2, 1])
+    gen = torch.Generator().manual_seed(4)
+    outs = []
+    for n, qsl, seq_lens, decode in _steps([7, 5], 3):
+        x, res = (torch.randn(n, cfg.hidden_size, generator=gen) for _ in range(2))
+        meta, positions = _meta(qsl, seq_lens, decode, tables, slots)
+        with torch.no_grad():
+            h, res = norm(x, res)
+            outs.append(mixer(positions, h, cache, meta, rope))
+    if interpreted:  # every decode step (3) ran each of them
+        assert all(calls.get(name, 0) >= 3 for _, name in _DECODE_KERNELS[layer_type]), calls
+    return outs, cache
+
+
+@pytest.mark.parametrize("layer_type", ["linear_attention", "full_attention"])
+def test_layer_on_the_kernels_follows_the_reference(layer_type, monkeypatch):
+    want, want_cache = _run_layer(layer_type, False, monkeypatch)
+    got, got_cache = _run_layer(layer_type, True, monkeypatch)
+    for i, (g, w) in enumerate(zip(got, want, strict=True)):
+        torch.testing.assert_close(g, w, **TOL, msg=f"step {i}")
+    for g, w in zip(got_cache, want_cache, strict=True):
+        torch.testing.assert_close(g, w, **TOL)
+
+
+def test_held_verify_logs_gates_and_folds_on_the_kernel_path(monkeypatch):
+    """A verify of 3 tokens for sequence 0 (held) beside a one-token row of sequence 1, on the
+    interpreted path: g and beta are logged as tensors for the held rows, the held state is
+    untouched until ``fold``, which leaves it as a plain decode of the 2 kept tokens."""
+    use_interpreted(monkeypatch, _NAMES, _MODS)
+    cfg = _cfg("linear_attention")
+    torch.manual_seed(0)
+    layer = GatedDeltaNet(cfg)
+    _init(layer, 1)
+    spec = layer.cache_spec()
+    gen = torch.Generator().manual_seed(3)
+    cache = (torch.randn(4, *spec.conv_shape, generator=gen),
+             torch.randn(4, *spec.recurrent_shape, generator=gen))
+    plain = tuple(c.clone() for c in cache)
+    tables = torch.tensor([[1, 2, 3, 4], [5, 6, 7, 8]], dtype=torch.int32)
+    slots = torch.tensor([2, 1])
+    x = torch.randn(4, cfg.hidden_size, generator=gen)
+    log: list = []
+    meta, pos = _meta((0, 3, 4), (9, 6), False, tables, slots, state_hold=(0,), state_log=log)
+    with torch.no_grad():
+        layer(pos, x, cache, meta)
+    (mixed, g, beta), = log
+    assert mixed.shape[0] == g.shape[0] == beta.shape[0] == 3 and (g <= 0).all()
+    assert torch.equal(cache[1][2], plain[1][2]) and torch.equal(cache[0][2], plain[0][2])
+    with torch.no_grad():
+        layer.fold(log[0], cache, slots[:1], [3], [2])
+        for i in range(2):  # the plain decode of the two kept tokens, one step each
+            m, p = _meta((0, 1), (8 + i,), True, tables[:1], slots[:1])
+            layer(p, x[i:i + 1], plain, m)
+    torch.testing.assert_close(cache[1][2], plain[1][2], **TOL)
+    torch.testing.assert_close(cache[0][2], plain[0][2], **TOL)
