@@ -6,6 +6,7 @@ n-gram speculation too."""
 
 from __future__ import annotations
 
+import dataclasses
 import random
 import time
 
@@ -91,3 +92,56 @@ def test_mtp_drafts_over_ep_match_one_rank(ray_cluster, trained_mtp_ckpt):
         assert [d[t].logprob for d, t in zip(g.logprobs, g.token_ids)] == pytest.approx(
             [d[t].logprob for d, t in zip(w.logprobs, w.token_ids)], abs=1e-5)
     assert spec["num_accepted_tokens"] >= 0.5 * spec["num_draft_tokens"] > 0, spec
+
+
+def test_a_rewind_outside_the_verify_fails_only_its_request_on_every_rank(ray_cluster, tmp_path):
+    """Under EP a command whose rewind would take a sequence's KV somewhere its states are not
+    is refused by every rank alike (each worker logs EpCommandFailed and keeps going); only
+    that request fails, the others come out as on one rank without speculation."""
+    from ray.util.placement_group import placement_group, remove_placement_group
+
+    from epserve.cluster.engine_args import EngineArgs, build_engine
+    from epserve.cluster.ep_group import EpGroup, bundle
+
+    ckpt = make_successor_checkpoint("qwen3_next", tmp_path / "succ", num_experts=6)
+    prompts = counting_prompts()
+    want = [o.outputs[0].token_ids for o in LLM(model=str(ckpt), **STRESS).generate(
+        [{"prompt_token_ids": p} for p in prompts], GREEDY)]
+    args = EngineArgs(model=str(ckpt), ep_size=2, speculative_config=NGRAM, **STRESS).resolved()
+    pg = placement_group([bundle("cpu")] * 2, strategy="STRICT_PACK")
+    ray_cluster.get(pg.ready(), timeout=60)
+    group = EpGroup(args, pg)
+    fired: dict = {}
+
+    def mutate(cmd, mirror):
+        if not cmd.rewinds:
+            return cmd
+        r = cmd.rewinds[0]
+        fired["key"] = (r.rank, r.slot)
+        bad = dataclasses.replace(r, seq_len=mirror.verified[fired["key"]][0])
+        return dataclasses.replace(cmd, rewinds=(bad, *cmd.rewinds[1:]))
+
+    try:
+        engine = build_engine(args, runner=group.leader)[0]
+        before = [len(f) for f in ray_cluster.get([w.failures.remote() for w in group.workers])]
+        ids = [engine.add_request(None, p, GREEDY).request_id for p in prompts]
+        final, owners = {}, {}
+        while engine.has_unfinished():
+            if not fired:
+                owners = {(s.state.rank, s.state.slot_idx): s.request.request_id
+                          for s in engine.scheduler.running if s.state is not None}
+                group.leader.inject_fault(mutate)
+            final.update((o.request_id, o) for o in engine.step(finished_only=True))
+        after = ray_cluster.get([w.failures.remote() for w in group.workers])
+    finally:
+        group.shutdown(graceful=True)
+        remove_placement_group(pg)
+    assert fired
+    bad = owners[fired["key"]]
+    for rid, w in zip(ids, want):
+        if rid == bad:
+            assert "its recurrent state can only go back inside the verify" in final[rid].error
+        else:
+            assert final[rid].error is None and final[rid].outputs[0].token_ids == w
+    assert [len(f) - b for f, b in zip(after, before)] == [1] * len(after), after
+    assert all("can only go back inside the verify" in f[-1]["reason"] for f in after)
