@@ -131,7 +131,7 @@ async def connect(config: AppConfig) -> tuple[OpenAIServing, Gate]:
                      limits=RequestLimits(**facts["limits"]),
                      prefix_caching=facts["cache_config"]["enable_prefix_caching"] == "True")
     serving = OpenAIServing(client, tokenizer, info,
-                            ServerMetrics(info.name, facts["cache_config"]),
+                            ServerMetrics(info.name, facts["cache_config"], info.max_model_len),
                             config.chat_parsing(), config.return_tokens_as_token_ids)
     return serving, Gate(config.resolved_api_key(), config.max_body_bytes,
                          config.body_read_timeout_s)

@@ -140,8 +140,10 @@ class _EngineCollector:
 class ServerMetrics:
     """The ingress's registry: engine stats (set before each scrape) and latency histograms."""
 
-    def __init__(self, model_name: str, cache_config: Mapping[str, str] | None = None):
+    def __init__(self, model_name: str, cache_config: Mapping[str, str] | None = None,
+                 max_model_len: int | None = None):
         self.model_name = model_name
+        self.max_model_len = max_model_len  # a request's max_tokens when it sets none
         self.registry = CollectorRegistry(auto_describe=False)
         if cache_config:
             info_labels = {**cache_config, "engine": ENGINE_INDEX}  # vLLM adds the engine's
@@ -171,15 +173,25 @@ class ServerMetrics:
                                   "Number of prefill tokens processed.", TOKEN_BUCKETS)
         self.generation_tokens = hist("vllm:request_generation_tokens",
                                       "Number of generation tokens processed.", TOKEN_BUCKETS)
+        self.params_n = hist("vllm:request_params_n", "Histogram of the n request parameter.",
+                             N_BUCKETS)
+        self.params_max_tokens = hist("vllm:request_params_max_tokens",
+                                      "Histogram of the max_tokens request parameter.",
+                                      TOKEN_BUCKETS)
+        self.max_generation_tokens = hist(
+            "vllm:request_max_num_generation_tokens",
+            "Histogram of maximum number of requested generation tokens.", TOKEN_BUCKETS)
 
     def render(self, stats: Mapping[str, Any]) -> bytes:
         """The exposition text with engine values from ``stats`` (``HeadActor.stats()``)."""
         self._engine.stats = stats
         return generate_latest(self.registry)
 
-    def timer(self, start: float | None = None) -> "RequestTimer":
-        """A timer for one engine request that arrived at ``start`` (time.monotonic())."""
-        return RequestTimer(self, time.monotonic() if start is None else start)
+    def timer(self, start: float | None = None,
+              params: Mapping[str, Any] | None = None) -> "RequestTimer":
+        """A timer for one engine request that arrived at ``start`` (time.monotonic()) with
+        these sampling ``params`` (``n``, ``max_tokens``)."""
+        return RequestTimer(self, time.monotonic() if start is None else start, params or {})
 
 
 class RequestTimer:
@@ -187,9 +199,14 @@ class RequestTimer:
     TTFT once, one TPOT per output that brought tokens after the first (the gap divided by
     the tokens it brought), e2e once when the request finishes, and then vLLM V1's per-request
     TPOT: the time from the first token to the last over the tokens after the first (0 for
-    one token)."""
+    one token); and vLLM's request parameter histograms: ``n`` and the largest choice's
+    token count once, ``max_tokens`` once per choice (vLLM's: per child request; the context
+    left after the prompt when the request set none)."""
 
-    def __init__(self, metrics: ServerMetrics, start: float):
+    def __init__(self, metrics: ServerMetrics, start: float,
+                 params: Mapping[str, Any] | None = None):
+        params = params or {}
+        self.n, self.max_tokens = int(params.get("n") or 1), params.get("max_tokens")
         self.metrics = metrics
         self.start = self.last = self.first = start
         self.tokens = 0
@@ -217,3 +234,15 @@ class RequestTimer:
                 (self.last - self.first) / (total - 1) if total > 1 else 0.0)
             self.metrics.prompt_tokens.observe(len(out.prompt_token_ids))
             self.metrics.generation_tokens.observe(total)
+            self._observe_params(out)
+
+    def _observe_params(self, out: Any) -> None:
+        m = self.metrics
+        m.params_n.observe(self.n)
+        m.max_generation_tokens.observe(max((len(c.token_ids) for c in out.outputs), default=0))
+        cap = self.max_tokens
+        if cap is None and m.max_model_len is not None:
+            cap = m.max_model_len - len(out.prompt_token_ids)
+        if cap is not None:
+            for _ in out.outputs:
+                m.params_max_tokens.observe(cap)

@@ -85,7 +85,8 @@ async def open_streams(client: EngineClient, request_id: str, prompts: Sequence[
     """Start every prompt's request and wait for each first output (errors raise here);
     ``metrics`` times each request from ``arrival`` (time.monotonic())."""
     streams = [client.stream(f"{request_id}-{i}", p.ids, params, p.text, param=param,
-                             timer=metrics.timer(arrival) if metrics is not None else None)
+                             timer=metrics.timer(arrival, params) if metrics is not None
+                             else None)
                for i, p in enumerate(prompts)]
     tasks = [asyncio.ensure_future(s.__anext__()) for s in streams]
     try:

@@ -117,3 +117,34 @@ def test_num_preemptions_counts_what_a_small_kv_pool_forces(small_kv_server):
     preempted = metric(samples, "vllm:num_preemptions_total", engine="0",
                        model_name="small-kv") - before
     assert preempted >= 1, "12 blocks of 4 held 6 rows of 38 tokens without a preemption?"
+
+
+def test_request_parameter_histograms(server, client):
+    """vLLM's vllm:request_params_n (once per request), vllm:request_params_max_tokens (once
+    per choice; the context left after the prompt when the request set none) and
+    vllm:request_max_num_generation_tokens (the longest choice, once per request)."""
+    names = ("vllm:request_params_n", "vllm:request_params_max_tokens",
+             "vllm:request_max_num_generation_tokens")
+
+    def totals(samples):
+        return {n: (metric(samples, n + "_count", engine="0"),
+                    metric(samples, n + "_sum", engine="0")) for n in names}
+
+    before = totals(scrape(server))
+    client.completions.create(model=server.model, prompt="The experts said", n=2,
+                              max_tokens=5, extra_body={"ignore_eos": True})
+    chat = client.chat.completions.create(  # no max_tokens: the choice ends it at once
+        model=server.model, messages=[{"role": "user", "content": "Hi"}],
+        extra_body={"structured_outputs": {"choice": ["ok"]}})
+    left = client.models.list().data[0].model_extra["max_model_len"] - chat.usage.prompt_tokens
+
+    def moved():
+        now = totals(scrape(server))
+        d = {n: (now[n][0] - before[n][0], now[n][1] - before[n][1]) for n in names}
+        return d if d[names[0]][0] >= 2 else None
+
+    d = wait_for(moved)
+    assert d is not None, "the parameter histograms never moved"
+    assert d["vllm:request_params_n"] == (2, 3)  # n=2, then n=1
+    assert d["vllm:request_params_max_tokens"] == (3, 2 * 5 + left)
+    assert d["vllm:request_max_num_generation_tokens"] == (2, 5 + chat.usage.completion_tokens)
