@@ -273,15 +273,15 @@ class StepModel(ForwardForms, KvLifecycle):
         """KV blocks, when the pool has them, for the positions the MTP head's chained
         drafts run at after this step (up to ``mtp_drafts - 1`` past each sampled row's last
         position; they travel with the step). A row without them drafts fewer tokens."""
-        extra = self.mtp_drafts - 1
+        extra, most = self.mtp_drafts - 1, self.max_model_len
         if not extra:
             return
         reserve = self.book.reserve_blocks
         for i, seq in enumerate(decode_seqs):
-            reserve(seq, seq.seq_len + 1 + (len(drafts[i]) if drafts else 0) + extra)
+            reserve(seq, min(most, seq.seq_len + 1 + (len(drafts[i]) if drafts else 0) + extra))
         for sl in prefill_slices:
             if sl.is_last_chunk:
-                reserve(sl.seq, sl.chunk_start + sl.chunk_len + extra)
+                reserve(sl.seq, min(most, sl.chunk_start + sl.chunk_len + extra))
 
     def _assemble(self, decode_tokens: Sequence[int], decode_seqs: Sequence[SequenceState],
                   prefill_slices: Sequence[PrefillSlice], results: list[RankResult],

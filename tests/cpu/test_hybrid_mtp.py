@@ -64,6 +64,18 @@ def test_a_trained_head_drafts_what_the_target_picks_and_changes_nothing(trained
     assert spec.stats()["steps"] - before <= len(out.token_ids) // 2
 
 
+def test_drafting_up_to_max_model_len(trained_mtp_ckpt):
+    """Near ``max_model_len`` the chained drafts stop where no KV block may be had; the
+    request runs to the limit as without speculation."""
+    reqs = [{"prompt_token_ids": list(range(30, 38))}]
+    sp = SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True)
+    kw = dict(model=str(trained_mtp_ckpt), dtype="float32", max_model_len=24, block_size=4)
+    want = LLM(**kw).generate(reqs, sp)[0].outputs[0]
+    got = LLM(**kw, speculative_config=_mtp(3)).generate(reqs, sp)[0].outputs[0]
+    assert got.token_ids == want.token_ids and len(got.token_ids) == 24 - 8
+    assert got.finish_reason == want.finish_reason == "length"
+
+
 def test_a_random_head_changes_nothing(tmp_path):
     ckpt = make_tiny_checkpoint("qwen3_next", tmp_path / "next", mtp_layers=1)
     reqs = [{"prompt_token_ids": p} for p in _prompts()]
