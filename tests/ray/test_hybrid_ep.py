@@ -53,44 +53,36 @@ def _settled(llm: LLM, generated: int) -> dict:
     return stats
 
 
-def test_speculation_on_a_hybrid_over_ep_matches_one_rank(ray_cluster, tmp_path):
-    """n-gram drafts verified on the ranks that hold each sequence's states (each folds the
-    accepted prefix in by its own verdict): the tokens and logprobs of one rank without
-    speculation, with drafts accepted and rejected."""
-    ckpt = make_successor_checkpoint("qwen3_next", tmp_path / "succ", num_experts=6)
+def _spec_over_ep(ckpt, spec: dict) -> dict:
+    """The counting prompts over two ranks with ``spec``: tokens and logprobs equal one rank's
+    without speculation; the head's speculation counters."""
     prompts = [{"prompt_token_ids": p} for p in counting_prompts()]
     want = [o.outputs[0] for o in LLM(model=str(ckpt), **STRESS).generate(prompts, GREEDY)]
-    ep = LLM(model=str(ckpt), ep_size=2, speculative_config=NGRAM, **STRESS)
+    ep = LLM(model=str(ckpt), ep_size=2, speculative_config=spec, **STRESS)
     try:
         got = [o.outputs[0] for o in ep.generate(prompts, GREEDY)]
-        spec = _settled(ep, GREEDY.max_tokens * len(prompts))["spec_decode"]
+        stats = _settled(ep, GREEDY.max_tokens * len(prompts))["spec_decode"]
     finally:
         ep.close()
     assert [g.token_ids for g in got] == [w.token_ids for w in want]
     for g, w in zip(got, want):
         assert [d[t].logprob for d, t in zip(g.logprobs, g.token_ids)] == pytest.approx(
             [d[t].logprob for d, t in zip(w.logprobs, w.token_ids)], abs=1e-5)
+    return stats
+
+
+def test_speculation_on_a_hybrid_over_ep_matches_one_rank(ray_cluster, tmp_path):
+    """n-gram drafts verified on the ranks that hold each sequence's states (each folds the
+    accepted prefix in by its own verdict), drafts accepted and rejected."""
+    ckpt = make_successor_checkpoint("qwen3_next", tmp_path / "succ", num_experts=6)
+    spec = _spec_over_ep(ckpt, NGRAM)
     assert 0 < spec["num_accepted_tokens"] < spec["num_draft_tokens"], spec
 
 
 def test_mtp_drafts_over_ep_match_one_rank(ray_cluster, trained_mtp_ckpt):
     """The MTP head drafts on each sequence's rank after every step; its MoE exchanges tokens
-    with the other ranks, which run every draft pass too: the outputs of one rank without
-    speculation, most drafts accepted."""
-    prompts = [{"prompt_token_ids": p} for p in counting_prompts()]
-    want = [o.outputs[0] for o in
-            LLM(model=str(trained_mtp_ckpt), **STRESS).generate(prompts, GREEDY)]
-    ep = LLM(model=str(trained_mtp_ckpt), ep_size=2, **STRESS,
-             speculative_config={"method": "mtp", "num_speculative_tokens": 2})
-    try:
-        got = [o.outputs[0] for o in ep.generate(prompts, GREEDY)]
-        spec = _settled(ep, GREEDY.max_tokens * len(prompts))["spec_decode"]
-    finally:
-        ep.close()
-    assert [g.token_ids for g in got] == [w.token_ids for w in want]
-    for g, w in zip(got, want):
-        assert [d[t].logprob for d, t in zip(g.logprobs, g.token_ids)] == pytest.approx(
-            [d[t].logprob for d, t in zip(w.logprobs, w.token_ids)], abs=1e-5)
+    with the other ranks, which run every draft pass too; most drafts are accepted."""
+    spec = _spec_over_ep(trained_mtp_ckpt, {"method": "mtp", "num_speculative_tokens": 2})
     assert spec["num_accepted_tokens"] >= 0.5 * spec["num_draft_tokens"] > 0, spec
 
 
