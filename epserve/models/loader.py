@@ -25,7 +25,7 @@ from epserve.models.parallel import ParallelInfo
 from epserve.models.registry import get_model_class
 
 LOAD_FORMATS = ("auto", "safetensors", "dummy")
-_INDEX_FILE = "model.safetensors.index.json"
+INDEX_FILE = "model.safetensors.index.json"
 
 
 def load_model(model_path: str | Path, *, dtype: torch.dtype, device: torch.device | str,
@@ -45,7 +45,7 @@ def load_model(model_path: str | Path, *, dtype: torch.dtype, device: torch.devi
     cfg = _apply_overrides(ModelConfig.from_pretrained(path), config_overrides)
     files = [] if load_format == "dummy" else safetensors_files(path)
     device = torch.device(device)
-    with device, _default_dtype(dtype):
+    with device, default_dtype(dtype):
         model = get_model_class(cfg.architecture)(cfg, parallel)
     if load_format == "dummy":
         init_dummy_weights(model)
@@ -69,7 +69,7 @@ def _apply_overrides(cfg: ModelConfig, overrides: dict[str, Any] | None) -> Mode
 
 
 @contextlib.contextmanager
-def _default_dtype(dtype: torch.dtype) -> Iterator[None]:
+def default_dtype(dtype: torch.dtype) -> Iterator[None]:
     """Create parameters directly in ``dtype`` (buffers that ask for float32 keep it)."""
     previous = torch.get_default_dtype()
     torch.set_default_dtype(dtype)
@@ -85,7 +85,7 @@ def _default_dtype(dtype: torch.dtype) -> Iterator[None]:
 def safetensors_files(path: Path) -> list[Path]:
     """The weight files of a checkpoint folder: the index's shards, or ``model.safetensors``,
     or every ``*.safetensors``. ``CheckpointError`` when there are none or a shard is absent."""
-    index = path / _INDEX_FILE
+    index = path / INDEX_FILE
     if index.is_file():
         try:
             weight_map = json.loads(index.read_text())["weight_map"]
@@ -101,7 +101,7 @@ def safetensors_files(path: Path) -> list[Path]:
         return [single]
     found = sorted(path.glob("*.safetensors"))
     if not found:
-        raise CheckpointError(f"no safetensors weights in {path} (looked for {_INDEX_FILE}, "
+        raise CheckpointError(f"no safetensors weights in {path} (looked for {INDEX_FILE}, "
                               "model.safetensors, *.safetensors)")
     return found
 

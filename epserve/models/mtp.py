@@ -49,7 +49,7 @@ from epserve.models.gated_attention import map_gated_attention
 from epserve.models.layer_cache import KvCacheSpec
 from epserve.models.layers import (DenseMLP, RotaryEmbedding, WeightMap, ZeroCentredRMSNorm,
                                    map_dense_mlp, map_experts, moe_or_dense)
-from epserve.models.loader import (_INDEX_FILE, _default_dtype, init_dummy_weights,
+from epserve.models.loader import (INDEX_FILE, default_dtype, init_dummy_weights,
                                    safetensors_files)
 from epserve.models.parallel import ParallelInfo
 from epserve.models.qwen3_next import HybridDecoderLayer, SharedExpertMoeBlock
@@ -214,7 +214,7 @@ def mtp_tensor_files(path: str | Path) -> dict[Path, list[str]]:
 
     path = Path(path)
     files = safetensors_files(path)
-    index = path / _INDEX_FILE
+    index = path / INDEX_FILE
     out: dict[Path, list[str]] = {}
     if index.is_file():
         weight_map = json.loads(index.read_text())["weight_map"]
@@ -267,7 +267,7 @@ def load_mtp_head(folder: str | Path, cfg: ModelConfig, target_model: nn.Module,
                  if (m := _LAYER_RE.match(n))}
         declared = max(found) + 1 if found else 1
     device = torch.device(device)
-    with device, _default_dtype(dtype):
+    with device, default_dtype(dtype):
         head = MtpHead(cfg, target_model.embed_tokens, target_model.lm_head, declared, parallel)
     if load_format == "dummy":
         init_dummy_weights(head)
