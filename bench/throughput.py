@@ -1,5 +1,6 @@
 """Offline throughput (issue 6): the same batch workloads on epserve and on transformers
-continuous batching (``generate_batch``, paged attention), one process, one GPU, one run.
+continuous batching (``generate_batch``, paged attention; ``generate`` on one static batch for a
+gated-DeltaNet hybrid, which its continuous batching refuses), one process, one GPU, one run.
 
 Workloads: ``short`` = 256 requests x 256 prompt tokens -> 128 output tokens; ``long`` = 256
 x 1024 -> 256. Prompts are deterministic random token ids; both engines decode greedily with
@@ -152,6 +153,43 @@ def run_transformers(cfg: dict, work: dict, args, dtype: torch.dtype) -> list[Re
     return results
 
 
+def run_transformers_generate(cfg: dict, work: dict, args, dtype: torch.dtype) -> list[Result]:
+    """transformers ``generate`` on one static batch per workload, for a model whose layers
+    its continuous batching refuses (``generate_batch``: "Invalid layer type:
+    linear_attention", transformers 5.x): every prompt the same length (no padding), a
+    warm-up generate of ``WARM_TOKENS`` first, then the timed one to exactly ``out_len``."""
+    from transformers import AutoModelForCausalLM
+
+    with torch.device(args.device):
+        model = AutoModelForCausalLM.from_config(hf_config(cfg), dtype=dtype).eval()
+    kw = dict(do_sample=False, eos_token_id=None, pad_token_id=0)
+    results = []
+    try:
+        for name, (n, in_len, out_len) in work.items():
+            warm = prompts(min(n, WARM_REQUESTS), in_len, cfg["vocab_size"], seed=1)
+            model.generate(torch.tensor(warm, device=args.device), max_new_tokens=WARM_TOKENS,
+                           min_new_tokens=WARM_TOKENS, **kw)
+            ids = torch.tensor(prompts(n, in_len, cfg["vocab_size"], seed=0), device=args.device)
+            sync(args.device)
+            t0 = time.perf_counter()
+            out = model.generate(ids, max_new_tokens=out_len, min_new_tokens=out_len, **kw)
+            sync(args.device)
+            wall = time.perf_counter() - t0
+            results.append(Result(name, "transformers", wall, n * (out.shape[1] - in_len), None,
+                                  "generate, one static batch (its continuous batching takes "
+                                  "no linear-attention layers)"))
+    finally:
+        del model
+        gc.collect()
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()
+    return results
+
+
+def _hybrid(cfg: dict) -> bool:
+    return "linear_attention" in cfg.get("layer_types", ())
+
+
 @contextlib.contextmanager
 def _compile_log(name: str, t0: float):
     """Print every Triton kernel compiled (or loaded from the disk cache) inside the block: a
@@ -286,7 +324,8 @@ def main(argv: list[str] | None = None) -> int:
     results: list[Result] = []
     if not args.skip_transformers:
         try:
-            results += run_transformers(cfg, work, args, torch.bfloat16 if on_cuda else torch.float32)
+            run = run_transformers_generate if _hybrid(cfg) else run_transformers
+            results += run(cfg, work, args, torch.bfloat16 if on_cuda else torch.float32)
         except Exception as exc:  # noqa: BLE001 - a failed baseline must not lose epserve's rows
             msg = f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"
             print(f"[transformers] generate_batch could not run on {args.device}, skipped: {msg}",
