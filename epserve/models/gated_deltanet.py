@@ -148,17 +148,30 @@ class GatedDeltaNet(nn.Module):
                               conv_dtype=self.conv_weight.dtype)
 
 
-_FRESH_CACHE: list = [None, None, None]  # [meta, device, mask]: one step's layers share it
+_FRESH_CACHE: list = [None, None, None]  # [meta, key, mask]: one step's layers share it
 
 
 def fresh_sequences(meta: AttentionMetadata, device: torch.device) -> torch.Tensor:
     """[S] bool on ``device``: sequence s starts from a zero state, i.e. it had no KV before
     this step (``seq_lens[s]`` equals its row count). A pure decode batch with ``seq_lens_t``
-    reads the device lengths (length 1), so a CUDA graph replays with new lengths."""
+    reads the device lengths (length 1), so a CUDA graph replays with new lengths.
+
+    One step's layers share one mask (one launch a step, not one a layer): a metadata object
+    is one step's. For device lengths the key is also whether a CUDA graph is being captured
+    (a capture computes the mask inside the graph, never reusing one from the eager warm-up
+    runs of the same metadata, so every replay recomputes it from the replayed lengths) and,
+    outside inference mode (whose tensors keep none), the lengths' version."""
     qsl = meta.query_start_loc
-    if meta.seq_lens_t is not None and qsl == tuple(range(len(qsl))):
-        return meta.seq_lens_t == 1
     c = _FRESH_CACHE
+    lens = meta.seq_lens_t
+    if lens is not None and qsl == tuple(range(len(qsl))):
+        key = (device, lens.is_cuda and torch.cuda.is_current_stream_capturing(),
+               -1 if lens.is_inference() else lens._version)
+        if c[0] is meta and c[1] == key:
+            return c[2]
+        mask = lens == 1
+        c[:] = [meta, key, mask]
+        return mask
     if c[0] is meta and c[1] == device:
         return c[2]
     mask = torch.tensor([meta.seq_lens[s] == qsl[s + 1] - qsl[s] for s in range(meta.num_seqs)],

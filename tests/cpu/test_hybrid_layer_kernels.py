@@ -181,3 +181,30 @@ def test_held_verify_logs_gates_and_folds_on_the_kernel_path(monkeypatch):
             layer(p, x[i:i + 1], plain, m)
     torch.testing.assert_close(cache[1][2], plain[1][2], **TOL)
     torch.testing.assert_close(cache[0][2], plain[0][2], **TOL)
+
+
+def test_a_steps_layers_share_one_fresh_mask():
+    """A pure decode step's DeltaNet layers compute ``seq_lens_t == 1`` once (one launch a step):
+    the same metadata gives the same mask, a new one or lengths written in place a new mask;
+    inference tensors (no version counter) work too. (A CUDA graph capture never reuses an
+    eager mask: tests/gpu/test_hybrid_decode_gpu.py.)"""
+    from epserve.models.gated_deltanet import fresh_sequences
+
+    def meta(lens):
+        return AttentionMetadata(slot_mapping=torch.tensor([0, 1]), query_start_loc=(0, 1, 2),
+                                 seq_lens=(1, 1), block_tables=torch.zeros(2, 1, dtype=torch.int32),
+                                 block_size=BS, seq_lens_t=lens, state_slots=torch.tensor([1, 2]))
+
+    lens = torch.tensor([1, 5], dtype=torch.int32)
+    m = meta(lens)
+    first = fresh_sequences(m, lens.device)
+    assert fresh_sequences(m, lens.device) is first and first.tolist() == [True, False]
+    lens.copy_(torch.tensor([3, 1]))
+    again = fresh_sequences(m, lens.device)
+    assert again is not first and again.tolist() == [False, True]
+    assert fresh_sequences(meta(lens), lens.device) is not again
+    with torch.inference_mode():
+        li = torch.tensor([2, 1], dtype=torch.int32)
+        mi = meta(li)
+        assert fresh_sequences(mi, li.device) is fresh_sequences(mi, li.device)
+        assert fresh_sequences(mi, li.device).tolist() == [False, True]

@@ -1,0 +1,256 @@
+"""The hybrids' decode kernels in bf16 on CUDA (skipped without a GPU) against their torch
+references run on the same bf16 inputs on the GPU (so both round at the same points), at the
+Qwen3.5-35B-A3B shapes: hidden 2048; gated attention 16 q heads, 2 kv heads, D 256, rotary 64
+(partial 0.25); DeltaNet 16 key heads, 32 value heads, Dk = Dv = 128.
+
+- Zero-centred RMSNorm (alone, after the residual add): the sum exact, the norm within one bf16
+  ulp (the float32 sum-of-squares order differs); the 1 added to the weight in float32 (an fp32
+  input with bf16 weights of 0.003 is the reference to 1e-6, not the plain norm).
+- The DeltaNet gated norm with the gate read in place from the projection: one bf16 ulp.
+- Zero-centred q/k norm + partial rotary + KV write (``qk_norm_rope_triton``): q, k within one
+  ulp of the reference, the caches exactly ``write_kv_ref`` of the kernel's own k.
+- The fused gated decode launch (``rope_paged_decode_triton`` with the gate) against the two
+  launches + ``attention_gate_ref``: q, k, caches bit for bit, the output within bf16
+  rounding; against the torch references within 2e-2 relative; a padding row writes nothing.
+- The DeltaNet decode kernel computing g and beta from a, b against ``delta_gates_ref`` + the
+  plain kernel (fp32: 1e-5; bf16: beta may round one ulp apart).
+Prints microseconds per CUDA-graph replay at batch 1, new path against the old torch one.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+
+import pytest
+import torch
+
+pytestmark = [
+    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA"),
+    pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="needs triton"),
+]
+
+H, HQ, HKV, D, R, BS = 2048, 16, 2, 256, 64, 16
+HK, HV, DK, DV = 16, 32, 128, 128
+BF = torch.bfloat16
+EPS = 1e-6
+
+
+def _gen(seed):
+    return torch.Generator(device="cuda").manual_seed(seed)
+
+
+def _rel(got, ref):
+    return ((got.float() - ref.float()).abs().max() / ref.float().abs().max()).item()
+
+
+def _graph_us(fn) -> float:
+    from gpu_timing import cuda_ms
+
+    fn()
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        fn()
+    return cuda_ms(graph.replay, iters=200) * 1e3
+
+
+# --------------------------------------------------------------------------- norms
+
+
+@pytest.mark.parametrize("t", [1, 64])
+def test_zero_centred_norms(t):
+    from epserve.kernels.norm import (fused_add_zero_centred_rms_norm,
+                                      fused_add_zero_centred_rms_norm_ref, zero_centred_rms_norm,
+                                      zero_centred_rms_norm_ref)
+
+    g = _gen(t)
+    x, r = (torch.randn(t, H, device="cuda", generator=g).to(BF) for _ in range(2))
+    w = (0.02 * torch.randn(H, device="cuda", generator=g)).to(BF)
+    assert _rel(zero_centred_rms_norm(x, w, EPS), zero_centred_rms_norm_ref(x, w, EPS)) < 1e-2
+    normed, res = fused_add_zero_centred_rms_norm(x, r, w, EPS)
+    want, want_res = fused_add_zero_centred_rms_norm_ref(x, r, w, EPS)
+    assert torch.equal(res, want_res)
+    assert _rel(normed, want) < 1e-2
+    xf = torch.randn(t, H, device="cuda", generator=g)
+    small = torch.full((H,), 0.003, dtype=BF, device="cuda")
+    torch.testing.assert_close(zero_centred_rms_norm(xf, small, EPS),
+                               zero_centred_rms_norm_ref(xf, small, EPS), atol=1e-6, rtol=1e-6)
+
+
+@pytest.mark.parametrize("t", [1, 64])
+def test_gated_norm_reads_the_gate_in_place(t):
+    from epserve.kernels.norm import gated_rms_norm, gated_rms_norm_ref
+
+    g = _gen(10 + t)
+    proj = torch.randn(t, 2 * HK * DK + 2 * HV * DV + 2 * HV, device="cuda", generator=g).to(BF)
+    z = proj[:, 2 * HK * DK + HV * DV:2 * HK * DK + 2 * HV * DV].view(t, HV, DV)
+    o = torch.randn(t, HV, DV, device="cuda", generator=g).to(BF)
+    w = (1 + 0.1 * torch.randn(DV, device="cuda", generator=g)).to(BF)
+    assert _rel(gated_rms_norm(o, z, w, EPS), gated_rms_norm_ref(o, z, w, EPS)) < 1e-2
+
+
+# --------------------------------------------------------------------------- gated attention
+
+
+def _attn_case(lens, seed):
+    from epserve.kernels.rope import build_rope_cache
+
+    g = _gen(seed)
+    s = len(lens)
+    width = max(-(-n // BS) for n in lens)
+    nb = s * width + 4
+    tables = torch.randperm(nb, device="cuda", generator=g)[:s * width].view(s, width).int()
+    cos, sin = build_rope_cache(R, 4096, 1e7)
+    proj = torch.randn(s, 2 * HQ * D + 2 * HKV * D, device="cuda", generator=g).to(BF)
+    kc = torch.randn(nb, BS, HKV, D, device="cuda", generator=g).to(BF)
+    vc = torch.randn(nb, BS, HKV, D, device="cuda", generator=g).to(BF)
+    pos = torch.tensor([n - 1 for n in lens], device="cuda")
+    slots = torch.tensor([int(tables[i, (n - 1) // BS]) * BS + (n - 1) % BS
+                          for i, n in enumerate(lens)], device="cuda")
+    lens_t = torch.tensor(lens, dtype=torch.int32, device="cuda")
+    if s > 1:  # the last row is CUDA-graph padding
+        slots[-1], lens_t[-1], pos[-1] = -1, 1, 0
+    w = [(0.05 * torch.randn(D, device="cuda", generator=g)).to(BF) for _ in range(2)]
+    return dict(proj=proj, kc=kc, vc=vc, pos=pos, slots=slots, lens=lens_t, tables=tables,
+                cos=cos.cuda(), sin=sin.cuda(), qw=w[0], kw=w[1])
+
+
+def _views(proj):
+    s, qs, ks = proj.shape[0], HQ * D, HKV * D
+    return (proj[:, :qs].view(s, HQ, D), proj[:, 2 * qs:2 * qs + ks].view(s, HKV, D),
+            proj[:, 2 * qs + ks:].view(s, HKV, D), proj[:, qs:2 * qs].view(s, HQ, D))
+
+
+def _clone(c):
+    return {k: v.clone() for k, v in c.items()}
+
+
+def _fused(c):
+    from epserve.kernels.triton.rope_decode import rope_paged_decode_triton
+
+    q, k, v, gate = _views(c["proj"])
+    return rope_paged_decode_triton(q, k, v, c["pos"], c["cos"], c["sin"], c["qw"], c["kw"], EPS,
+                                    c["kc"], c["vc"], c["slots"], c["tables"], c["lens"],
+                                    D ** -0.5, zero_centred=True, gate=gate)
+
+
+def _two(c):
+    from epserve.kernels.rope_attention import attention_gate_ref
+    from epserve.kernels.triton.paged_attention import paged_decode_attention
+    from epserve.kernels.triton.rope import qk_norm_rope_triton
+
+    q, k, v, gate = _views(c["proj"])
+    qk_norm_rope_triton(q, k, c["pos"], c["cos"], c["sin"], c["qw"], c["kw"], EPS, v=v,
+                        k_cache=c["kc"], v_cache=c["vc"], slot_mapping=c["slots"],
+                        zero_centred=True)
+    out = paged_decode_attention(q, c["kc"], c["vc"], c["tables"], c["lens"], D ** -0.5)
+    return attention_gate_ref(out, gate)
+
+
+def _old_path(c):
+    """What GatedAttention ran before: torch zero-centred norms and partial rope, the KV write,
+    the decode kernel, the gate in torch."""
+    from epserve.kernels.kv_write import write_kv
+    from epserve.kernels.norm import zero_centred_rms_norm_ref
+    from epserve.kernels.rope import rope_ref
+    from epserve.kernels.triton.paged_attention import paged_decode_attention
+
+    q, k, v, gate = _views(c["proj"])
+    q, k = zero_centred_rms_norm_ref(q, c["qw"], EPS), zero_centred_rms_norm_ref(k, c["kw"], EPS)
+    q, k = rope_ref(q, k, c["pos"], c["cos"], c["sin"])
+    write_kv(k, v, c["kc"], c["vc"], c["slots"])
+    out = paged_decode_attention(q, c["kc"], c["vc"], c["tables"], c["lens"], D ** -0.5)
+    return out * torch.sigmoid(gate)
+
+
+@pytest.mark.parametrize("t", [1, 256])
+def test_partial_rope_with_kv_write(t):
+    from epserve.kernels.kv_write import write_kv_ref
+    from epserve.kernels.rope import apply_qk_norm_rope_ref
+    from epserve.kernels.triton.rope import qk_norm_rope_triton
+
+    c = _attn_case([(13 * i) % 300 + 1 for i in range(t)], seed=t)
+    q, k, v, gate = _views(c["proj"])
+    rq, rk = apply_qk_norm_rope_ref(q, k, c["pos"], c["cos"], c["sin"], c["qw"], c["kw"], EPS,
+                                    zero_centred=True)
+    gate0, kc0, vc0 = gate.clone(), c["kc"].clone(), c["vc"].clone()
+    qk_norm_rope_triton(q, k, c["pos"], c["cos"], c["sin"], c["qw"], c["kw"], EPS, v=v,
+                        k_cache=c["kc"], v_cache=c["vc"], slot_mapping=c["slots"],
+                        zero_centred=True)
+    assert _rel(q, rq) < 1e-2 and _rel(k, rk) < 1e-2
+    assert torch.equal(gate, gate0)
+    write_kv_ref(k, v, kc0, vc0, c["slots"])
+    assert torch.equal(c["kc"], kc0) and torch.equal(c["vc"], vc0)
+
+
+@pytest.mark.parametrize("lens", [[37], [5, 300, 17, 1], [(7 * i) % 290 + 2 for i in range(64)]],
+                         ids=["S1", "S4", "S64"])
+def test_fused_gated_decode_matches_the_two_launches(lens):
+    c = _attn_case(lens, seed=len(lens))
+    base, old = _clone(c), _clone(c)
+    got, want = _fused(c), _two(base)
+    for key in ("proj", "kc", "vc"):
+        assert torch.equal(c[key], base[key]), key
+    n = len(lens) - (len(lens) > 1)  # the padding row's output is never read
+    torch.testing.assert_close(got[:n].float(), want[:n].float(), rtol=2e-2, atol=2e-3)
+    assert _rel(got[:n], _old_path(old)[:n]) < 2e-2
+
+
+def test_gated_decode_graph_timing_at_batch_1():
+    c = _attn_case([200], seed=3)
+    fused_us = _graph_us(lambda: _fused(c))
+    old_us = _graph_us(lambda: _old_path(c))
+    print(f"\ngated attention decode, batch 1, 200 positions: one launch {fused_us:.2f} us per "
+          f"replay, the old torch path {old_us:.2f} us")
+    assert fused_us < old_us
+
+
+# --------------------------------------------------------------------------- DeltaNet gates
+
+
+def _delta_case(s, dtype, seed):
+    g = _gen(seed)
+    proj = torch.randn(s, 2 * HK * DK + HV * DV + 2 * HV, device="cuda", generator=g).to(dtype)
+    c = 2 * HK * DK + HV * DV
+    q = proj[:, :HK * DK].view(s, HK, DK)
+    k = proj[:, HK * DK:2 * HK * DK].view(s, HK, DK)
+    v = proj[:, 2 * HK * DK:c].view(s, HV, DV)
+    b, a = proj[:, c:c + HV], proj[:, c + HV:]
+    A_log = torch.rand(HV, device="cuda", generator=g).log().to(dtype)
+    dt_bias = torch.randn(HV, device="cuda", generator=g).to(dtype)
+    pool = torch.randn(s + 2, HV, DK, DV, device="cuda", generator=g) * 0.2
+    slots = torch.randperm(s + 1, device="cuda", generator=g)[:s] + 1
+    fresh = torch.rand(s, device="cuda", generator=g) < 0.3
+    return (q, k, v), (a, b, A_log, dt_bias), pool, slots, fresh
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, BF], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("s", [1, 64])
+def test_delta_decode_computes_its_gates(s, dtype):
+    from epserve.kernels.gated_delta import delta_gates_ref
+    from epserve.kernels.triton.gated_delta_decode import (gated_delta_decode_gates_triton,
+                                                           gated_delta_decode_triton)
+
+    qkv, gates, pool, slots, fresh = _delta_case(s, dtype, seed=s)
+    want_pool = pool.clone()
+    want = gated_delta_decode_triton(*qkv, *delta_gates_ref(*gates), want_pool, slots, fresh)
+    got = gated_delta_decode_gates_triton(*qkv, *gates, pool, slots, fresh)
+    tol = 1e-5 if dtype == torch.float32 else 5e-3
+    assert _rel(got, want) < tol and _rel(pool[slots], want_pool[slots]) < tol
+    others = torch.ones(pool.shape[0], dtype=torch.bool, device="cuda")
+    others[slots] = False
+    assert torch.equal(pool[others], want_pool[others])
+
+
+def test_delta_decode_graph_timing_at_batch_1():
+    from epserve.kernels.gated_delta import delta_gates_ref
+    from epserve.kernels.triton.gated_delta_decode import (gated_delta_decode_gates_triton,
+                                                           gated_delta_decode_triton)
+
+    qkv, gates, pool, slots, fresh = _delta_case(1, BF, seed=5)
+    new_us = _graph_us(lambda: gated_delta_decode_gates_triton(*qkv, *gates, pool, slots, fresh))
+    old_us = _graph_us(lambda: gated_delta_decode_triton(*qkv, *delta_gates_ref(*gates), pool,
+                                                         slots, fresh))
+    print(f"\nDeltaNet decode rule, batch 1: gates in the kernel {new_us:.2f} us per replay, "
+          f"gates in torch {old_us:.2f} us")
+    assert new_us < old_us
