@@ -19,7 +19,9 @@ import torch.nn.functional as F
 
 from epserve.kernels.dispatch import (DTYPES, MAX_FUSED_TOKENS, MAX_TRITON_EXPERTS,
                                       check_router_args, use_triton)
-from epserve.kernels.norm import fused_add_rms_norm, fused_add_rms_norm_ref
+from epserve.kernels.norm import (fused_add_rms_norm, fused_add_rms_norm_ref,
+                                  fused_add_zero_centred_rms_norm,
+                                  fused_add_zero_centred_rms_norm_ref)
 
 __all__ = ["MAX_FUSED_TOKENS", "MAX_TRITON_EXPERTS", "add_norm_router", "add_norm_router_ref",
            "check_router_args", "topk_softmax", "topk_softmax_ref"]
@@ -58,23 +60,27 @@ def topk_softmax(logits: torch.Tensor, top_k: int,
 
 
 def add_norm_router_ref(x: torch.Tensor, residual: torch.Tensor, norm_weight: torch.Tensor,
-                        eps: float, router_weight: torch.Tensor, top_k: int, renormalize: bool):
+                        eps: float, router_weight: torch.Tensor, top_k: int, renormalize: bool,
+                        zero_centred: bool = False):
     """The MoE block's pre-norm and router, the definition of the fused launch:
-    ``normed, new_residual = fused_add_rms_norm_ref(x, residual, norm_weight, eps)``, router
+    ``normed, new_residual = fused_add_rms_norm_ref(x, residual, norm_weight, eps)``
+    (``fused_add_zero_centred_rms_norm_ref`` with ``zero_centred``: the hybrids), router
     logits ``F.linear(normed, router_weight)`` (x.dtype, as transformers' gate), then
     ``topk_softmax_ref``. Returns ``(normed, new_residual, topk_ids, topk_weights)``."""
-    normed, new_res = fused_add_rms_norm_ref(x, residual, norm_weight, eps)
+    norm = fused_add_zero_centred_rms_norm_ref if zero_centred else fused_add_rms_norm_ref
+    normed, new_res = norm(x, residual, norm_weight, eps)
     ids, weights = topk_softmax_ref(F.linear(normed, router_weight), top_k, renormalize)
     return normed, new_res, ids, weights
 
 
 def add_norm_router(x: torch.Tensor, residual: torch.Tensor, norm_weight: torch.Tensor,
                     eps: float, router_weight: torch.Tensor, top_k: int, renormalize: bool,
-                    row_slots: torch.Tensor | None = None):
+                    row_slots: torch.Tensor | None = None, zero_centred: bool = False):
     """Public entry for ``add_norm_router_ref`` (same contract). x, residual: [T, H];
     norm_weight: [H]; router_weight: [E, H]. ``row_slots`` ([T], each row's KV slot) marks
     padding rows (slot < 0): their routing is unspecified (their output is never read); the
     fused launch gives them no expert (ids -1, weights 0), which the fused MoE skips.
+    ``zero_centred``: the hybrids' norm weight (``1 + w`` in float32).
 
     Up to ``MAX_FUSED_TOKENS`` rows where ``dispatch.use_triton`` says so it is one Triton
     launch (``epserve.kernels.triton.norm_router``: decode steps); larger batches, other dtypes
@@ -89,7 +95,8 @@ def add_norm_router(x: torch.Tensor, residual: torch.Tensor, norm_weight: torch.
 
         return add_norm_router_triton(x, residual, norm_weight.contiguous(), eps,
                                       router_weight.contiguous(), top_k, renormalize,
-                                      row_slots=row_slots)
-    normed, new_res = fused_add_rms_norm(x, residual, norm_weight, eps)
+                                      row_slots=row_slots, zero_centred=zero_centred)
+    norm = fused_add_zero_centred_rms_norm if zero_centred else fused_add_rms_norm
+    normed, new_res = norm(x, residual, norm_weight, eps)
     ids, weights = topk_softmax(F.linear(normed, router_weight), top_k, renormalize)
     return normed, new_res, ids, weights

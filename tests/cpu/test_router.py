@@ -288,3 +288,24 @@ def test_padding_rows_route_nowhere_and_the_moe_skips_them(interpret):
         torch.testing.assert_close(out, fused_moe_ref(xs, w13, w2, ids, wts), rtol=1e-5, atol=1e-5)
         pads = [0] if rows == 1 else [1, 3]
         assert not out[pads].any()
+
+
+@needs_triton
+@pytest.mark.parametrize("t,e,k,block_e", [(1, 8, 2, None), (3, 60, 4, 8)])
+def test_zero_centred_norm_matches_reference(t, e, k, block_e, interpret, monkeypatch):
+    """The hybrids' pre-norm (``1 + w``, w around 0, added in float32) in the fused launch and
+    through the public entry, on the kernel and on the reference path."""
+    x, res, nw, gw = _inputs(t, 64, e, seed=5)
+    nw = 0.02 * nw
+    ref = add_norm_router_ref(x, res, nw, 1e-6, gw, k, True, zero_centred=True)
+    plain = add_norm_router_ref(x, res, nw, 1e-6, gw, k, True)
+    assert not torch.allclose(ref[0], plain[0])  # the flag matters
+    got = nrt.add_norm_router_triton(x, res, nw, 1e-6, gw, k, True, block_e=block_e,
+                                     zero_centred=True)
+    entry = add_norm_router(x, res, nw, 1e-6, gw, k, True, zero_centred=True)
+    monkeypatch.delenv("TRITON_INTERPRET")
+    on_ref = add_norm_router(x, res, nw, 1e-6, gw, k, True, zero_centred=True)
+    for out in (got, entry, on_ref):
+        torch.testing.assert_close(out[0], ref[0], rtol=1e-6, atol=1e-6)
+        assert torch.equal(out[1], ref[1]) and torch.equal(out[2], ref[2])
+        torch.testing.assert_close(out[3], ref[3], rtol=1e-5, atol=1e-6)

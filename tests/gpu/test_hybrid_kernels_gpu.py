@@ -7,6 +7,9 @@ Qwen3.5-35B-A3B shapes: hidden 2048; gated attention 16 q heads, 2 kv heads, D 2
   ulp (the float32 sum-of-squares order differs); the 1 added to the weight in float32 (an fp32
   input with bf16 weights of 0.003 is the reference to 1e-6, not the plain norm).
 - The DeltaNet gated norm with the gate read in place from the projection: one bf16 ulp.
+- The fused residual add + zero-centred norm + router + top-8 of 256 experts
+  (``add_norm_router(..., zero_centred=True)``, for the hybrid MoE block's pre-norm): normed
+  within one ulp, the picked experts a top-8 of the reference logits.
 - Zero-centred q/k norm + partial rotary + KV write (``qk_norm_rope_triton``): q, k within one
   ulp of the reference, the caches exactly ``write_kv_ref`` of the kernel's own k.
 - The fused gated decode launch (``rope_paged_decode_triton`` with the gate) against the two
@@ -87,6 +90,26 @@ def test_gated_norm_reads_the_gate_in_place(t):
     o = torch.randn(t, HV, DV, device="cuda", generator=g).to(BF)
     w = (1 + 0.1 * torch.randn(DV, device="cuda", generator=g)).to(BF)
     assert _rel(gated_rms_norm(o, z, w, EPS), gated_rms_norm_ref(o, z, w, EPS)) < 1e-2
+
+
+@pytest.mark.parametrize("t", [1, 7])
+def test_zero_centred_norm_router(t):
+    import torch.nn.functional as F
+
+    from epserve.kernels.router import add_norm_router, add_norm_router_ref
+
+    g, e, k = _gen(20 + t), 256, 8
+    x, r = (torch.randn(t, H, device="cuda", generator=g).to(BF) for _ in range(2))
+    nw = (0.02 * torch.randn(H, device="cuda", generator=g)).to(BF)
+    gw = (torch.randn(e, H, device="cuda", generator=g) * 0.05).to(BF)
+    normed, res, ids, w = add_norm_router(x, r, nw, EPS, gw, k, True, zero_centred=True)
+    want = add_norm_router_ref(x, r, nw, EPS, gw, k, True, zero_centred=True)
+    assert torch.equal(res, want[1]) and _rel(normed, want[0]) < 1e-2
+    logits = F.linear(normed.float(), gw.float())
+    top = logits.topk(k, dim=1).values[:, -1]
+    assert (logits.gather(1, ids) >= top[:, None] - 1e-2 * logits.abs().max()).all()
+    assert all(len(set(row)) == k for row in ids.tolist())
+    torch.testing.assert_close(w.sum(1), torch.ones(t, device="cuda"))
 
 
 # --------------------------------------------------------------------------- gated attention

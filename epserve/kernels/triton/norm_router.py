@@ -14,6 +14,9 @@ reads the whole row back (volatile loads: not from a stale L1 line), runs the sh
 zeroed int32 buffer per device, made on first use and reset by every launch, so the kernel is
 CUDA-graph capturable (no host sync, no memset node).
 
+With ``zero_centred`` the norm weight is the hybrids' zero-centred one (``1 + w`` in float32,
+as ``fused_add_zero_centred_rms_norm_ref``).
+
 Importing this module imports triton; kernels decorated while ``TRITON_INTERPRET=1`` is set run
 in the Triton interpreter (CPU tensors allowed; programs run one after another there).
 """
@@ -42,7 +45,7 @@ def _norm_router_kernel(x_ptr, r_ptr, nw_ptr, gw_ptr, out_ptr, res_out_ptr, logi
                         HAS_SLOTS: tl.constexpr, NUM_BLOCKS: tl.constexpr, TOP_K: tl.constexpr,
                         RENORMALIZE: tl.constexpr, BLOCK_H: tl.constexpr,
                         BLOCK_E: tl.constexpr, BLOCK_E_ALL: tl.constexpr,
-                        BLOCK_K: tl.constexpr):
+                        BLOCK_K: tl.constexpr, ZERO_CENTRED: tl.constexpr):
     t = tl.program_id(0).to(tl.int64)
     b = tl.program_id(1)
     offs = tl.arange(0, BLOCK_H)
@@ -52,9 +55,12 @@ def _norm_router_kernel(x_ptr, r_ptr, nw_ptr, gw_ptr, out_ptr, res_out_ptr, logi
     r = tl.load(r_ptr + t * H + offs, mask=h_ok, other=0.0)
     s = (x.to(tl.float32) + r.to(tl.float32)).to(dtype)  # rounded as torch's x + residual
     sf = s.to(tl.float32)
-    normed = (sf * tl.rsqrt(tl.sum(sf * sf, axis=0) / H + eps)).to(dtype)
     nw = tl.load(nw_ptr + offs, mask=h_ok, other=0.0).to(tl.float32)
-    normed = (nw * normed.to(tl.float32)).to(dtype)  # exactly the norm kernel's rounding
+    if ZERO_CENTRED:  # the hybrids' (1 + w), in float32, one cast (as the norm kernel)
+        normed = ((sf * tl.rsqrt(tl.sum(sf * sf, axis=0) / H + eps)) * (1.0 + nw)).to(dtype)
+    else:
+        normed = (sf * tl.rsqrt(tl.sum(sf * sf, axis=0) / H + eps)).to(dtype)
+        normed = (nw * normed.to(tl.float32)).to(dtype)  # exactly the norm kernel's rounding
     if b == 0:
         tl.store(res_out_ptr + t * H + offs, s, mask=h_ok)
         tl.store(out_ptr + t * H + offs, normed, mask=h_ok)
@@ -100,8 +106,9 @@ def _counters(device: torch.device) -> torch.Tensor:
 def add_norm_router_triton(x: torch.Tensor, residual: torch.Tensor, norm_weight: torch.Tensor,
                            eps: float, router_weight: torch.Tensor, top_k: int,
                            renormalize: bool, *, row_slots: torch.Tensor | None = None,
-                           block_e: int | None = None, num_warps: int | None = None):
-    """Triton ``add_norm_router_ref`` (same contract), one launch.
+                           block_e: int | None = None, num_warps: int | None = None,
+                           zero_centred: bool = False):
+    """Triton ``add_norm_router_ref`` (same contract, ``zero_centred`` too), one launch.
 
     x, residual: [T, H] contiguous, same dtype (fp32/fp16/bf16), T <= ``MAX_FUSED_TOKENS``;
     norm_weight: [H]; router_weight: [E, H] contiguous, x's dtype, E <= 512. Returns
@@ -158,6 +165,6 @@ def add_norm_router_triton(x: torch.Tensor, residual: torch.Tensor, norm_weight:
         ids, weights, ids if row_slots is None else row_slots, h, e, float(eps),
         HAS_SLOTS=row_slots is not None, NUM_BLOCKS=nb, TOP_K=top_k,
         RENORMALIZE=bool(renormalize), BLOCK_H=block_h, BLOCK_E=block_e, BLOCK_E_ALL=triton.next_power_of_2(e),
-        BLOCK_K=triton.next_power_of_2(top_k),
+        BLOCK_K=triton.next_power_of_2(top_k), ZERO_CENTRED=bool(zero_centred),
         num_warps=num_warps or (1 if block_h <= 2048 else 4))
     return normed, new_res, ids, weights
