@@ -23,7 +23,8 @@ STRESS = dict(dtype="float32", block_size=4, num_kv_blocks=40, max_num_batched_t
               long_prefill_token_threshold=8)
 
 
-@pytest.mark.parametrize("arch, ep_size", [("qwen3_next", 3), ("qwen3_5_moe", 2)])
+@pytest.mark.parametrize("arch, ep_size", [("qwen3_next", 3), ("qwen3_5_moe", 2),
+                                           ("qwen3_next", 2), ("qwen3_5_moe", 3)])
 def test_hybrid_over_ep_matches_one_rank(ray_cluster, tmp_path, arch, ep_size):
     ckpt = make_tiny_checkpoint(arch, tmp_path / arch, num_experts=6)
     rng = random.Random(2)
