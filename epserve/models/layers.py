@@ -180,23 +180,31 @@ class SparseMoeBlock(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """x: [T, H]. Returns [T, H]."""
         topk_ids, topk_weights = self.gate(x)  # [T, K], [T, K]
-        return self._experts(x, topk_ids, topk_weights)
+        return self.run_experts(x, topk_ids, topk_weights)
 
-    def forward_prenorm(self, x: torch.Tensor, residual: torch.Tensor, norm: RMSNorm,
+    def forward_prenorm(self, x: torch.Tensor, residual: torch.Tensor, norm: nn.Module,
                         row_slots: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """``forward(norm(x, residual))`` with the residual add, the norm and the router in one
         launch at decode sizes (``add_norm_router``). x, residual: [T, H]; row_slots: [T] KV
         slots (a negative slot marks a padding row of a CUDA graph: on one rank it may route
         to no expert, its output is never read). Returns ``(moe output, new residual)``."""
+        hidden, residual, topk_ids, topk_weights = self.route_prenorm(x, residual, norm,
+                                                                      row_slots)
+        return self.run_experts(hidden, topk_ids, topk_weights), residual
+
+    def route_prenorm(self, x: torch.Tensor, residual: torch.Tensor, norm: nn.Module,
+                      row_slots: torch.Tensor | None = None) -> tuple[torch.Tensor, ...]:
+        """The residual add, ``norm`` (an ``RMSNorm`` or a ``ZeroCentredRMSNorm``) and the
+        router as one launch: ``(normed, new residual, topk_ids, topk_weights)``."""
         if self.parallel.world_size > 1:  # the EP exchange dispatches every row by its ids
             row_slots = None
-        hidden, residual, topk_ids, topk_weights = add_norm_router(
-            x, residual, norm.weight, norm.eps, self.gate.weight, self.gate.top_k,
-            self.gate.renormalize, row_slots)
-        return self._experts(hidden, topk_ids, topk_weights), residual
+        return add_norm_router(x, residual, norm.weight, norm.eps, self.gate.weight,
+                               self.gate.top_k, self.gate.renormalize, row_slots,
+                               zero_centred=isinstance(norm, ZeroCentredRMSNorm))
 
-    def _experts(self, x: torch.Tensor, topk_ids: torch.Tensor,
-                 topk_weights: torch.Tensor) -> torch.Tensor:
+    def run_experts(self, x: torch.Tensor, topk_ids: torch.Tensor,
+                    topk_weights: torch.Tensor) -> torch.Tensor:
+        """The routed experts of ``x`` (this rank's, or through the EP exchange)."""
         if self.parallel.world_size == 1:
             return self.experts(x, topk_ids, topk_weights)
         comm = self.parallel.ep_comm
@@ -217,10 +225,10 @@ class DenseMLP(nn.Module):
         self.down_proj = nn.Linear(intermediate_size, hidden_size, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        """x: [T, H]. Returns [T, H]."""
-        gate_up = self.gate_up_proj(x)  # [T, 2I]
+        """x: [T, H]. Returns [T, H] (one-row steps through the Triton GEMV, ``linear``)."""
+        gate_up = linear(x, self.gate_up_proj.weight)  # [T, 2I]
         i = self.intermediate_size
-        return self.down_proj(F.silu(gate_up[:, :i]) * gate_up[:, i:])
+        return linear(F.silu(gate_up[:, :i]) * gate_up[:, i:], self.down_proj.weight)
 
 
 def moe_or_dense(cfg: ModelConfig, parallel: ParallelInfo, layer_idx: int,

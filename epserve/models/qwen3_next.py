@@ -25,6 +25,7 @@ import torch
 from torch import nn
 
 from epserve.kernels.attention import AttentionMetadata
+from epserve.kernels.linear import linear
 from epserve.models.causal_lm import DecoderOnlyLM
 from epserve.models.config import ModelConfig
 from epserve.models.gated_attention import GatedAttention, map_gated_attention
@@ -51,8 +52,18 @@ class SharedExpertMoeBlock(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """x: [T, H]. Returns [T, H]."""
-        shared = torch.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x)  # [T, H]
-        return self.routed(x) + shared
+        return self.routed(x) + self._shared(x)
+
+    def forward_prenorm(self, x: torch.Tensor, residual: torch.Tensor, norm: nn.Module,
+                        row_slots: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """``forward(norm(x, residual))`` with the residual add, the zero-centred norm and the
+        router in one launch at decode sizes (``SparseMoeBlock.route_prenorm``). Returns
+        ``(output, new residual)``."""
+        hidden, residual, ids, weights = self.routed.route_prenorm(x, residual, norm, row_slots)
+        return self.routed.run_experts(hidden, ids, weights) + self._shared(hidden), residual
+
+    def _shared(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.sigmoid(linear(x, self.shared_expert_gate.weight)) * self.shared_expert(x)
 
 
 class HybridDecoderLayer(nn.Module):
@@ -77,6 +88,9 @@ class HybridDecoderLayer(nn.Module):
         else:
             hidden, residual = self.input_layernorm(hidden, residual)
         hidden = self.mixer(positions, hidden, cache, meta, rope)  # [T, H]
+        if isinstance(self.ffn, SharedExpertMoeBlock):  # its router fuses with the pre-norm
+            return self.ffn.forward_prenorm(hidden, residual, self.post_attention_layernorm,
+                                            meta.slot_mapping)
         hidden, residual = self.post_attention_layernorm(hidden, residual)
         return self.ffn(hidden), residual
 
