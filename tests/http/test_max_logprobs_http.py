@@ -29,5 +29,5 @@ def test_every_token_of_the_vocabulary(scripted_server, scripted_client):
         messages=[{"role": "user", "content": "Hi"}], logprobs=True, top_logprobs=vocab, **kw)
     assert len(chat.choices[0].logprobs.content[0].top_logprobs) == vocab
     err = _refused(scripted_client.completions.create, prompt="Hello", logprobs=vocab + 1, **kw)
-    assert err.param == "logprobs" and err.message == (
+    assert err.param == "logprobs" and err.body["message"] == (
         f"Requested sample logprobs of {vocab + 1}, which is greater than max allowed: {vocab}")
