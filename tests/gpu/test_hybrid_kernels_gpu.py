@@ -26,6 +26,7 @@ import importlib.util
 
 import pytest
 import torch
+from gpu_timing import graph_us
 
 pytestmark = [
     pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA"),
@@ -44,17 +45,6 @@ def _gen(seed):
 
 def _rel(got, ref):
     return ((got.float() - ref.float()).abs().max() / ref.float().abs().max()).item()
-
-
-def _graph_us(fn) -> float:
-    from gpu_timing import cuda_ms
-
-    fn()
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        fn()
-    return cuda_ms(graph.replay, iters=200) * 1e3
 
 
 # --------------------------------------------------------------------------- norms
@@ -221,8 +211,8 @@ def test_fused_gated_decode_matches_the_two_launches(lens):
 
 def test_gated_decode_graph_timing_at_batch_1():
     c = _attn_case([200], seed=3)
-    fused_us = _graph_us(lambda: _fused(c))
-    old_us = _graph_us(lambda: _old_path(c))
+    fused_us = graph_us(lambda: _fused(c))
+    old_us = graph_us(lambda: _old_path(c))
     print(f"\ngated attention decode, batch 1, 200 positions: one launch {fused_us:.2f} us per "
           f"replay, the old torch path {old_us:.2f} us")
     assert fused_us < old_us
@@ -271,8 +261,8 @@ def test_delta_decode_graph_timing_at_batch_1():
                                                            gated_delta_decode_triton)
 
     qkv, gates, pool, slots, fresh = _delta_case(1, BF, seed=5)
-    new_us = _graph_us(lambda: gated_delta_decode_gates_triton(*qkv, *gates, pool, slots, fresh))
-    old_us = _graph_us(lambda: gated_delta_decode_triton(*qkv, *delta_gates_ref(*gates), pool,
+    new_us = graph_us(lambda: gated_delta_decode_gates_triton(*qkv, *gates, pool, slots, fresh))
+    old_us = graph_us(lambda: gated_delta_decode_triton(*qkv, *delta_gates_ref(*gates), pool,
                                                          slots, fresh))
     print(f"\nDeltaNet decode rule, batch 1: gates in the kernel {new_us:.2f} us per replay, "
           f"gates in torch {old_us:.2f} us")

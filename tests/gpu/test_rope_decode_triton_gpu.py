@@ -10,6 +10,7 @@ import importlib.util
 
 import pytest
 import torch
+from gpu_timing import graph_us
 
 pytestmark = [
     pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA"),
@@ -100,23 +101,12 @@ def test_matches_the_two_launches(lens):
                                want[:len(lens) - (len(lens) > 1)].float(), rtol=2e-2, atol=2e-3)
 
 
-def _graph_us(fn) -> float:
-    from gpu_timing import cuda_ms
-
-    fn()
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        fn()
-    return cuda_ms(graph.replay, iters=200) * 1e3
-
-
 def test_graph_timing_at_batch_1():
     c = _case([200], seed=3)
     got, ref = _fused(_clone(c)), _reference(c)  # what is timed is correct
     assert ((got.float() - ref.float()).abs().max() / ref.float().abs().max()).item() < 2e-2
-    fused_us = _graph_us(lambda: _fused(c))
-    two_us = _graph_us(lambda: _two(c))
+    fused_us = graph_us(lambda: _fused(c))
+    two_us = graph_us(lambda: _two(c))
     print(f"\nbatch 1, 200 positions: fused {fused_us:.2f} us per replay, two launches "
           f"{two_us:.2f} us")
     assert fused_us < two_us * 1.1  # never a regression beyond noise

@@ -38,6 +38,11 @@ def test_hybrid_over_ep_matches_one_rank(ray_cluster, tmp_path, arch, ep_size):
         got = [o.outputs[0] for o in ep.generate(prompts, GREEDY)]
     finally:
         ep.close()
+    _assert_same(got, want)
+
+
+def _assert_same(got, want) -> None:
+    """Token-identical, each token's logprob within 1e-5."""
     assert [g.token_ids for g in got] == [w.token_ids for w in want]
     for g, w in zip(got, want):
         assert [d[t].logprob for d, t in zip(g.logprobs, g.token_ids)] == pytest.approx(
@@ -65,10 +70,7 @@ def _spec_over_ep(ckpt, spec: dict) -> dict:
         stats = _settled(ep, GREEDY.max_tokens * len(prompts))["spec_decode"]
     finally:
         ep.close()
-    assert [g.token_ids for g in got] == [w.token_ids for w in want]
-    for g, w in zip(got, want):
-        assert [d[t].logprob for d, t in zip(g.logprobs, g.token_ids)] == pytest.approx(
-            [d[t].logprob for d, t in zip(w.logprobs, w.token_ids)], abs=1e-5)
+    _assert_same(got, want)
     return stats
 
 
