@@ -1,0 +1,49 @@
+#!/usr/bin/env bash
+# The GPU checks a session owes after CPU-only work, in stages that each fit one device call
+# (<= 10 min). The device machine has torch, triton, transformers and msgpack but no fla-core:
+# its wheels travel in .whl (see the tool library's device/README.md).
+#
+#   bash bench/gpu_session.sh prep      # here, once per checkout: fla-core + einops wheels
+#   # then, on the device (run with carry [".whl"]), one stage per call:
+#   bash bench/gpu_session.sh tests     # pytest tests/gpu (hybrid kernels and spec included)
+#   bash bench/gpu_session.sh qwen3     # no regression: decode_latency + throughput short
+#   bash bench/gpu_session.sh hybrid    # issue 17: decode vs floor and transformers, MTP cost
+#   bash bench/gpu_session.sh hybrid-short   # issue 17: short workload vs transformers
+#
+# Each stage tees its log to $OUT (it comes back even when a stage runs out of time); record
+# the figures in bench/RESULTS.md with the date and the exact command.
+set -o pipefail
+stage=${1:?stage: prep, tests, qwen3, hybrid or hybrid-short}
+log=${OUT:-/tmp}/$stage.log
+
+if [ "$stage" = prep ]; then
+  grep -qx '/.whl/' .git/info/exclude || echo /.whl/ >> .git/info/exclude
+  for w in fla-core==0.6.0 einops==0.8.2; do
+    python3 -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 \
+      --implementation cp --platform manylinux_2_28_x86_64 --platform manylinux2014_x86_64 \
+      --platform any -d .whl "$w" || exit
+  done
+  ls -l .whl
+  exit 0
+fi
+
+python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
+  --target /tmp/site .whl/*.whl || exit
+export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1
+case "$stage" in
+  tests)
+    python -m pytest -q tests/gpu 2>&1 | tee "$log" ;;
+  qwen3)
+    { python bench/decode_latency.py --batch 1 8 --steps 32 --repeats 2 &&
+      python bench/throughput.py --workload short --skip-transformers; } 2>&1 | tee "$log" ;;
+  hybrid)
+    { python bench/decode_latency.py --model-shape qwen3.5-35b-a3b --batch 1 4 --steps 32 \
+        --repeats 2 --with-transformers &&
+      python bench/profile_decode.py --model-shape qwen3.5-35b-a3b --layers 8 --steps 8 \
+        --decode-only &&
+      python bench/mtp_cost.py --k 1 2 3; } 2>&1 | tee "$log" ;;
+  hybrid-short)
+    python bench/throughput.py --model-shape qwen3.5-35b-a3b --workload short 2>&1 \
+      | tee "$log" ;;
+  *) echo "unknown stage $stage" >&2; exit 2 ;;
+esac
