@@ -108,7 +108,9 @@ def _bad(name: str, need: str) -> ValueError:
 
 
 def _choice_ebnf(choices: tuple[str, ...]) -> str:
-    alts = " | ".join(json.dumps(c) for c in choices)  # a JSON string is an EBNF literal
+    # a JSON string is an EBNF literal; its characters as they are (an ASCII escape of a
+    # character outside the basic plane is two surrogates, which the grammar reads as two)
+    alts = " | ".join(json.dumps(c, ensure_ascii=False) for c in choices)
     return f"root ::= {alts}"
 
 

@@ -212,6 +212,15 @@ def test_generated_outputs_match(llm):
     assert llm.model.lookahead.launched > launched  # constrained steps queued ahead too
 
 
+def test_choices_outside_the_basic_plane_come_out_whole(llm):
+    """A choice literal keeps its characters (an emoji is one UTF-8 character, not two
+    surrogate escapes the grammar would read as separate characters), quotes and
+    backslashes included."""
+    choices = ["\U0001F642 yes", "no \U0001F643", 'a "quoted" \\ one']
+    texts = _texts(llm, StructuredOutputsParams(choice=choices), n=6)
+    assert set(texts) <= set(choices) and len(set(texts)) > 1, texts
+
+
 def test_unconstrained_output_is_unchanged_beside_constrained(llm):
     plain = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
     alone = llm.generate(["Hello"], plain)[0].outputs[0].token_ids
