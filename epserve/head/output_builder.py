@@ -23,7 +23,7 @@ def prompt_logprobs(req: Request, tokenizer: Any) -> list[LogprobsDict | None] |
     if req.params.prompt_logprobs is None or req.prompt_logprobs is None:
         return None
     dec = _decoder(tokenizer)
-    return [None] + [make_logprobs_dict(e.token_id, e.logprob, e.top, dec)
+    return [None] + [make_logprobs_dict(e.token_id, e.logprob, e.top, dec, e.rank)
                      for e in req.prompt_logprobs]
 
 
@@ -31,7 +31,7 @@ def _sampled_logprobs(seq: Sequence, tokenizer: Any) -> list[LogprobsDict]:
     cache: list[LogprobsDict] = seq.logprob_dicts
     dec = _decoder(tokenizer)
     for t in seq.sampled[len(cache):]:
-        cache.append(make_logprobs_dict(t.token_id, t.logprob, t.top, dec))
+        cache.append(make_logprobs_dict(t.token_id, t.logprob, t.top, dec, t.rank))
     return list(cache)
 
 

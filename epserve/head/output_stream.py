@@ -24,16 +24,18 @@ import msgpack
 from epserve.head.outputs import CompletionOutput, RequestOutput, make_logprobs_dict
 from epserve.head.sequence import Request
 
-WIRE_VERSION = 1
+WIRE_VERSION = 2
 
 #: A record: [request_id, finished, error, num_cached_tokens, prompt_logprobs | None, choices]
 #: with choices [[index, new_ids, new_text, new_logprobs | None, finish_reason, stop_reason]];
-#: a raw logprob entry is [token_id, logprob, [[alt_id, alt_logprob], ...]].
+#: a raw logprob entry (a sampled or a prompt token) is
+#: [token_id, logprob, [[alt_id, alt_logprob], ...], rank | None] (rank: vLLM's, of the token).
 Record = list
 
 
 def _raw(tok: Any) -> list:
-    return [tok.token_id, float(tok.logprob), [[int(t), float(lp)] for t, lp in tok.top]]
+    return [tok.token_id, float(tok.logprob), [[int(t), float(lp)] for t, lp in tok.top],
+            None if tok.rank is None else int(tok.rank)]
 
 
 def delta_record(req: Request) -> Record | None:
@@ -57,8 +59,7 @@ def delta_record(req: Request) -> Record | None:
         seq.sent_finish = seq.finished
     plps = None
     if req.prompt_logprobs is not None and not req.sent_prompt_logprobs:
-        plps = [[e.token_id, float(e.logprob), [[int(t), float(lp)] for t, lp in e.top]]
-                for e in req.prompt_logprobs]
+        plps = [_raw(e) for e in req.prompt_logprobs]
         req.sent_prompt_logprobs = True
     if not choices and plps is None and not (req.finished and not req.sent_finished):
         return None
@@ -118,15 +119,15 @@ class OutputAccumulator:
         out.num_cached_tokens = cached
         if plps is not None:
             out.prompt_logprobs = [None] + [
-                make_logprobs_dict(t, lp, [tuple(a) for a in top], self.decode)
-                for t, lp, top in plps]
+                make_logprobs_dict(t, lp, [tuple(a) for a in top], self.decode, rank)
+                for t, lp, top, rank in plps]
         for index, ids, text, lps, reason, stop_reason in choices:
             c = out.outputs[index]
             c.token_ids.extend(ids)
             c.text += text
             if lps is not None and self.want_logprobs:
-                c.logprobs.extend(make_logprobs_dict(t, lp, [tuple(a) for a in top], self.decode)
-                                  for t, lp, top in lps)
+                c.logprobs.extend(make_logprobs_dict(t, lp, [tuple(a) for a in top], self.decode,
+                                                     rank) for t, lp, top, rank in lps)
                 c.cumulative_logprob += sum(e[1] for e in lps)
             if reason is not None:
                 c.finish_reason, c.stop_reason = reason, stop_reason

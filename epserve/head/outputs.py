@@ -3,7 +3,7 @@
 Invariants: outputs are plain mutable dataclasses the engine fills in step by step; a
 ``CompletionOutput`` is finished exactly when its ``finish_reason`` is set; logprob dicts map
 token id to ``Logprob``: the chosen token first, then the top alternatives ranked 1.. (vLLM's
-order).
+order); the chosen token outside them has its real rank.
 Pure Python, no torch.
 """
 
@@ -19,8 +19,9 @@ FINISH_REASONS: tuple[str, ...] = ("stop", "length", "abort", "error")
 
 @dataclass(frozen=True, slots=True)
 class Logprob:
-    """One token's logprob; ``rank`` 1 is the most likely (None: not known, outside the top-k);
-    ``decoded_token`` the token's own text (None when not decoded)."""
+    """One token's logprob; ``rank`` 1 is the most likely (vLLM's: the tokens at least as
+    likely, itself included; None: not known); ``decoded_token`` the token's own text (None
+    when not decoded)."""
 
     logprob: float
     rank: int | None = None
@@ -36,15 +37,16 @@ def make_logprobs_dict(
     logprob: float,
     top: Sequence[tuple[int, float]],
     decode: Callable[[int], str] | None = None,
+    rank: int | None = None,
 ) -> LogprobsDict:
     """A position's dict from a chosen token and its ``top`` alternatives (highest first).
 
     vLLM's order: the chosen (sampled or prompt) token first, then the alternatives ranked
-    1..k (the chosen one appears once, first, with its rank in the top when it is among them;
-    else k + 1 entries). Outside the top its rank is None: the ranks do not send it.
-    ``decode`` fills ``decoded_token``.
+    1..k (the chosen one appears once, first, with its rank in the top when it is among them,
+    as vLLM's dict keeps it; else k + 1 entries). Outside the top its rank is ``rank``, the
+    one its rank computed (None when not known). ``decode`` fills ``decoded_token``.
     """
-    rank = next((r for r, (tid, _) in enumerate(top, start=1) if tid == token_id), None)
+    rank = next((r for r, (tid, _) in enumerate(top, start=1) if tid == token_id), rank)
     out: LogprobsDict = {token_id: Logprob(logprob, rank, decode(token_id) if decode else None)}
     for r, (tid, lp) in enumerate(top, start=1):
         if tid != token_id:

@@ -18,11 +18,14 @@ class PromptTokenLogprob:
     """One scored prompt position: log P(tokens[i+1] | tokens[..=i]) plus top-k alternatives.
 
     ``top``: ``(token_id, logprob)`` pairs, highest first, under the same distribution.
+    ``rank``: the token's rank there as vLLM's (the vocabulary tokens at least as likely,
+    itself included), None when not known.
     """
 
     token_id: int
     logprob: float
     top: tuple[tuple[int, float], ...] = ()
+    rank: int | None = None
 
 
 def logprob_of(f32_logits: Sequence[float], target: int, k: int) -> tuple[float, list[tuple[int, float]]]:

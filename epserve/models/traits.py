@@ -96,20 +96,20 @@ class RowSampling:
 
 @dataclass(frozen=True, slots=True)
 class SampledToken:
-    """One sampled token: id, its logprob under the raw distribution, top-k alternatives."""
+    """One sampled token: id, its logprob under the raw distribution, top-k alternatives, and
+    its ``rank`` there (vLLM's: the tokens at least as likely, itself included; None: not asked)."""
 
     token_id: int
     logprob: float = 0.0
     top: tuple[tuple[int, float], ...] = ()
+    rank: int | None = None
 
 
 @dataclass(slots=True)
 class ChunkedPrefillPageMetadata:
-    """Per-sequence copies of the paged-attention metadata kept across prefill chunks.
-
-    ``block_capacity``: block-table entries sized for the whole prompt; ``uploaded_blocks``:
-    entries already copied to the device.
-    """
+    """Per-sequence copies of the paged-attention metadata kept across prefill chunks:
+    ``block_capacity`` block-table entries sized for the whole prompt, ``uploaded_blocks`` of
+    them already copied to the device."""
 
     block_capacity: int = 0
     uploaded_blocks: int = 0

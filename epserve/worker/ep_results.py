@@ -2,9 +2,9 @@
 
 Invariants: nothing is pickled; a frame is ``[PROTOCOL_VERSION, step_id, rank, sampled,
 sampled alternatives, prompt logprobs, their alternatives, verified, their alternatives,
-drafts, their ids]`` read against that layout
-(``worker.wire``) with the same strict types as commands: fixed-width records (slot and token
-int64, logprob float64), sampled tokens sorted by slot (each slot once), prompt logprobs grouped
+drafts, their ids]`` read against that layout (``worker.wire``) with the same strict types as
+commands: fixed-width records (slot, token and rank int64, logprob float64; rank 0 is no rank,
+a negative one refused), sampled tokens sorted by slot (each slot once), prompt logprobs grouped
 by slot (slots rising, positions in order), at most the engine's ``max_logprobs``
 alternatives an entry (``WireLimits.max_logprobs``; ``MAX_LOGPROBS`` without limits);
 anything else is a ``ProtocolError``. A decoded result keeps the records and builds
@@ -47,7 +47,7 @@ class RankResult:
 
 
 _TOP = np.dtype([("token", I64), ("logprob", F64)])
-_ENTRY = np.dtype([("slot", I64), ("token", I64), ("logprob", F64), ("n", I64)])
+_ENTRY = np.dtype([("slot", I64), ("token", I64), ("logprob", F64), ("rank", I64), ("n", I64)])
 
 
 def _pack_top(tops: list) -> np.ndarray:
@@ -55,12 +55,20 @@ def _pack_top(tops: list) -> np.ndarray:
 
 
 def _entries(name: str, make: type) -> TableSpec:
-    """Slot-keyed (token, logprob, alternatives) rows of ``make`` (``SampledToken`` or
-    ``PromptTokenLogprob``). The rank's sampler may hand numpy or torch scalars: the records
-    take them as int and float, as msgpack did."""
-    return TableSpec(name, _ENTRY, lambda e: (e[0], int(e[1].token_id), float(e[1].logprob)),
-                     lambda v, top: make(v[1], v[2], tuple(top.tolist())),
+    """Slot-keyed (token, logprob, rank, alternatives) rows of ``make`` (``SampledToken`` or
+    ``PromptTokenLogprob``; a rank of None travels as 0). The rank's sampler may hand numpy or
+    torch scalars: the records take them as int and float, as msgpack did."""
+    return TableSpec(name, _ENTRY, lambda e: (e[0], int(e[1].token_id), float(e[1].logprob),
+                                              int(e[1].rank or 0)),
+                     lambda v, top: make(v[1], v[2], tuple(top.tolist()), v[3] or None),
                      flat=_TOP, extra=lambda e: e[1].top, pack_flat=_pack_top)
+
+
+def _ranked(table: Table) -> Table:
+    """``table``, refused when a record's rank is negative (0: none; a rank counts tokens)."""
+    if len(table) and table.recs["rank"].min() < 0:
+        raise ProtocolError(f"{table.spec.name}: a negative rank")
+    return table
 
 
 SAMPLED = _entries("sampled", SampledToken)
@@ -158,10 +166,10 @@ def decode_result(frame: bytes, limits: WireLimits | None = None) -> RankResult:
     slots, tokens = (None, None) if limits is None else (limits.max_slots, limits.max_step_tokens)
     k = MAX_LOGPROBS if limits is None else limits.max_logprobs
     try:
-        sampled = decode_table(SAMPLED, f[3], f[4], slots, k)
-        prompt = decode_table(PROMPT, f[5], f[6], tokens, k)
-        verified = decode_table(VERIFIED, f[7], f[8], None if slots is None
-                                else slots * (MAX_DRAFT_TOKENS + 1), k)
+        sampled = _ranked(decode_table(SAMPLED, f[3], f[4], slots, k))
+        prompt = _ranked(decode_table(PROMPT, f[5], f[6], tokens, k))
+        verified = _ranked(decode_table(VERIFIED, f[7], f[8], None if slots is None
+                                        else slots * (MAX_DRAFT_TOKENS + 1), k))
         drafts = decode_table(DRAFTS, f[9], f[10], slots, MAX_DRAFT_TOKENS)
         return RankResult(f[1], f[2], BySlot(sampled, True), BySlot(prompt, False),
                           BySlot(verified, False), BySlot(drafts, True))

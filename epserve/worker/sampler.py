@@ -9,12 +9,14 @@ row copies nothing. Greedy is argmax with ties to the lowest id. Banned ids are 
 (greedy included). Random rows draw by Gumbel-max on ``logits / temperature`` restricted to the
 top-k / top-p / min-p kept set (a prefix of the stable descending sort). Logprobs are of the raw
 logits (before biases, banning, temperature and filters), as vLLM's default; ties in a top-k
-list keep the lower id first.
+list keep the lower id first. A logprobs-wanting row's (or a scored prompt position's) token
+also gets its rank as vLLM's: the count of vocabulary tokens whose logprob is at least its own
+(itself included, so 1 + the strictly more likely ones when nothing ties with it).
 
 Device work: one batched launch for all rows (plus one sort over the rows with filters, and one
 indexed add into a copy of the logits when a row has a bias); the per-row parameters travel in
 two host tensors (pinned, non-blocking on CUDA); the only host
-sync is the final read-back of tokens and logprobs.
+sync is the final read-back of tokens, logprobs and ranks (one flat float64 buffer).
 """
 
 from __future__ import annotations
@@ -90,6 +92,16 @@ def _cutoffs(s: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor, log_min_
     return sorted_s.gather(1, last).squeeze(1), order.gather(1, last).squeeze(1)
 
 
+def _ranks(lp: torch.Tensor, tok_lp: torch.Tensor) -> torch.Tensor:
+    """vLLM's rank of each row's token: lp [N, V], tok_lp [N] its logprob; [N] int64 counts of
+    the entries >= it (a NaN logprob gives 0, read back as no rank)."""
+    return (lp >= tok_lp.unsqueeze(1)).sum(-1)
+
+
+def _rank_or_none(x: float) -> int | None:
+    return int(x) or None
+
+
 def _stable_topk(lp: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
     """Top-k of lp: [N, V] highest first, ties to the lower id (a stable sort; topk's tie order
     is unspecified). Returns (values, ids), each [N, k]."""
@@ -126,11 +138,12 @@ class PendingSample:
         n, want, kmax = len(self._rows), self._want, self._kmax
         out = [SampledToken(token_id=int(t)) for t in flat[:n]]
         nw = len(want)
-        for j, i in enumerate(want):
+        for j, i in enumerate(want):  # layout: tokens, logprobs, ranks, top ids, top values
             k = min(self._rows[i].logprobs or 0, kmax)  # kmax: the largest k, capped at V
-            ids0, vals0 = n + nw + j * kmax, n + nw + nw * kmax + j * kmax
+            ids0, vals0 = n + 2 * nw + j * kmax, n + 2 * nw + nw * kmax + j * kmax
             top = tuple(zip(map(int, flat[ids0:ids0 + k]), flat[vals0:vals0 + k]))
-            out[i] = SampledToken(token_id=out[i].token_id, logprob=flat[n + j], top=top)
+            out[i] = SampledToken(token_id=out[i].token_id, logprob=flat[n + j], top=top,
+                                  rank=_rank_or_none(flat[n + nw + j]))
         return out
 
 
@@ -197,9 +210,10 @@ def launch_sample(logits: torch.Tensor, rows: Sequence[RowSampling],
 
     parts = [tokens.to(torch.float64)]
     kmax = min(max((rows[i].logprobs or 0 for i in want), default=0), v)
-    if want:  # raw logprobs of the chosen tokens and the top-k (one log_softmax)
+    if want:  # raw logprobs of the chosen tokens, their ranks and the top-k (one log_softmax)
         lp = torch.log_softmax(logits.index_select(0, w_idx).float(), dim=-1)
-        parts.append(lp.gather(1, tokens.index_select(0, w_idx).unsqueeze(1)).squeeze(1).double())
+        tok_lp = lp.gather(1, tokens.index_select(0, w_idx).unsqueeze(1)).squeeze(1)
+        parts += [tok_lp.double(), _ranks(lp, tok_lp).double()]
         if kmax:
             top_v, top_i = _stable_topk(lp, kmax)
             parts += [top_i.flatten().double(), top_v.flatten().double()]
@@ -211,7 +225,8 @@ def prompt_logprobs_rows(logits: torch.Tensor, targets: Sequence[int],
     """Score prompt positions: row p of logits: [P, V] float32 predicts ``targets[p]``.
 
     Returns P ``PromptTokenLogprob`` with the target's raw logprob (-inf for an id outside the
-    vocab, like ``logprob_of``) and the top ``k`` alternatives, highest first."""
+    vocab, like ``logprob_of``), its rank (vLLM's; None outside the vocab) and the top ``k``
+    alternatives, highest first."""
     p, v = logits.shape
     if len(targets) != p:
         raise ValueError(f"prompt_logprobs_rows: {p} logit rows, {len(targets)} targets")
@@ -219,16 +234,19 @@ def prompt_logprobs_rows(logits: torch.Tensor, targets: Sequence[int],
         return []
     lp = torch.log_softmax(logits.float(), dim=-1)
     tgt = _ship([t if 0 <= t < v else 0 for t in targets], torch.int64, lp.device)
-    parts = [lp.gather(1, tgt.unsqueeze(1)).squeeze(1).double()]
+    tok_lp = lp.gather(1, tgt.unsqueeze(1)).squeeze(1)
+    parts = [tok_lp.double(), _ranks(lp, tok_lp).double()]
     kk = min(k, v) if k > 0 else 0
     if kk:
         top_v, top_i = _stable_topk(lp, kk)
         parts += [top_i.flatten().double(), top_v.flatten().double()]
     flat = torch.cat(parts).tolist()  # the one host sync
     out = []
-    for j, t in enumerate(targets):
-        lpj = flat[j] if 0 <= t < v else float("-inf")
-        i0, v0 = p + j * kk, p + p * kk + j * kk
+    for j, t in enumerate(targets):  # layout: logprobs, ranks, top ids, top values
+        inside = 0 <= t < v
+        i0, v0 = 2 * p + j * kk, 2 * p + p * kk + j * kk
         top = tuple(zip(map(int, flat[i0:i0 + kk]), flat[v0:v0 + kk]))
-        out.append(PromptTokenLogprob(token_id=int(t), logprob=lpj, top=top))
+        out.append(PromptTokenLogprob(token_id=int(t), logprob=flat[j] if inside else -math.inf,
+                                      top=top, rank=_rank_or_none(flat[p + j]) if inside
+                                      else None))
     return out

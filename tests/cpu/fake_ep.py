@@ -1,10 +1,14 @@
-"""Two EP ranks in one process, for model tests: rank 1's MoE layers record their local expert
-functions (and contribute nothing), then rank 0's comm adds rank 1's share to its own, as
-dispatch and combine would."""
+"""EP in one process. For model tests, two ranks: rank 1's MoE layers record their local
+expert functions (and contribute nothing), then rank 0's comm adds rank 1's share to its own,
+as dispatch and combine would. For engine tests, ``Framed``: one rank run from encoded frames,
+as every EP rank is."""
 
 from __future__ import annotations
 
 import torch
+
+from epserve.worker import ep_results as R
+from epserve.worker import step_command as P
 
 
 class RecordingComm:
@@ -28,3 +32,17 @@ class LoopbackComm:
         peer = self.peer_fns[self.calls]
         self.calls += 1
         return local_fn(x, topk_ids, topk_weights) + peer(x, topk_ids, topk_weights)
+
+
+class Framed:
+    """``EpChannel`` with one rank and no collectives: the command is encoded, the rank runs
+    it from the frame (``RankExecutor.step``, as every EP rank does) and its result is read
+    back from its frame under the rank's limits, as the leader reads each rank's. Install it
+    as ``llm.model.channel = Framed(llm.model.rank0)``."""
+
+    def __init__(self, rank0):
+        self.rank0 = rank0
+
+    def run(self, cmd: P.StepCommand) -> list:
+        frame = self.rank0.step(P.encode(cmd))
+        return [] if frame is None else [R.decode_result(frame, self.rank0.limits)]

@@ -206,15 +206,17 @@ def test_min_tokens_holds_back_eos(llm, eos_prompt):
 
 
 def _check_position(d: dict, chosen: int, k: int) -> None:
-    assert chosen in d
-    ranked = sorted((lp.rank, tid, lp.logprob) for tid, lp in d.items() if lp.rank is not None)
+    assert chosen in d and list(d)[0] == chosen and d[chosen].rank >= 1
+    outside = d[chosen].rank > k  # then its real rank (vLLM's), and k + 1 entries
+    ranked = sorted((lp.rank, tid, lp.logprob) for tid, lp in d.items()
+                    if not (outside and tid == chosen))
     assert [r for r, _, _ in ranked] == list(range(1, k + 1))
-    assert len(d) in (k, k + 1)
+    assert len(d) == k + outside
     values = [v for _, _, v in ranked]
     assert values == sorted(values, reverse=True)
     assert all(lp.logprob <= 0.0 for lp in d.values())
     assert sum(math.exp(lp.logprob) for lp in d.values()) <= 1.0 + 1e-5
-    if d[chosen].rank is None:  # outside the top k: not more likely than the k-th
+    if outside:  # not more likely than the k-th
         assert d[chosen].logprob <= values[-1] + 1e-6
 
 

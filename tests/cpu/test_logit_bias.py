@@ -15,11 +15,11 @@ import torch
 from epserve import LLM, SamplingParams
 from epserve.head.limits import RequestLimits
 from epserve.models.traits import EpCommandFailed, RowSampling
-from epserve.worker import ep_results as R
 from epserve.worker import step_command as P
 from epserve.worker.ep_mirror import EpMirror, _Failer
 from epserve.worker.sampler import sample_rows
 from epserve.worker.step_command import NewSeq, ProtocolError, SamplingUpdate, StepCommand
+from fake_ep import Framed
 
 PROMPT = {"prompt_token_ids": [5, 17, 42, 8]}
 
@@ -141,23 +141,10 @@ def test_a_count_the_words_cannot_hold_is_a_protocol_error():
         P.decode(bad)
 
 
-class _Framed:
-    """``EpChannel`` with one rank and no collectives: the command is encoded, the rank runs
-    it from the frame (``RankExecutor.step``, as every EP rank does) and its result is read
-    back from its frame under the rank's limits, as the leader reads each rank's."""
-
-    def __init__(self, rank0):
-        self.rank0 = rank0
-
-    def run(self, cmd: StepCommand) -> list:
-        frame = self.rank0.step(P.encode(cmd))
-        return [] if frame is None else [R.decode_result(frame, self.rank0.limits)]
-
-
 def test_through_frames_as_every_ep_rank_runs_it(qwen3_ckpt):
     kw = dict(model=str(qwen3_ckpt), dtype="float32", max_model_len=32, max_logprobs=-1)
     framed, local = LLM(**kw), LLM(**kw)
-    framed.model.channel = _Framed(framed.model.rank0)
+    framed.model.channel = Framed(framed.model.rank0)
     vocab = local.model.vocab_size()
     params = [SamplingParams(max_tokens=3, temperature=0.0, logit_bias={17: 100.0},
                              logprobs=vocab, prompt_logprobs=25),

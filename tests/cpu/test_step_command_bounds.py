@@ -273,12 +273,13 @@ def test_result_limits_and_the_logprob_cap():
 
 lps = st.floats(allow_nan=False)
 tops = st.lists(st.tuples(st.integers(-(2**63), 2**63 - 1), lps), max_size=20).map(tuple)
+ranks = st.none() | st.integers(1, 2**63 - 1)
 results = st.builds(
     R.RankResult, st.integers(-(2**63), 2**64 - 1), st.integers(-(2**63), 2**64 - 1),
     st.dictionaries(st.integers(-(2**63), 2**63 - 1), st.builds(SampledToken, st.integers(0, 2**40),
-                                                                lps, tops), max_size=6),
+                                                                lps, tops, ranks), max_size=6),
     st.dictionaries(st.integers(-5, 300), st.lists(st.builds(PromptTokenLogprob, st.integers(
-        0, 2**40), lps, tops), min_size=1, max_size=5), max_size=4))
+        0, 2**40), lps, tops, ranks), min_size=1, max_size=5), max_size=4))
 
 
 @settings(FAST, max_examples=150)
@@ -291,6 +292,7 @@ def test_results_round_trip(res):
     for slot, tok in res.sampled.items():
         got = out.sampled[slot]
         assert type(got.token_id) is int and type(got.logprob) is float and got.top == tok.top
+        assert got.rank == tok.rank
     assert out.sampled.get(2**70) is None and out.prompt_logprobs.get(-99, ()) == ()
 
 

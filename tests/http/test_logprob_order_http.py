@@ -3,7 +3,8 @@ token first, then the top k. Completions list the whole dict (k + 1 entries when
 token is not among the top k); chat's ``top_logprobs`` are its first k entries, so the sampled
 token and the k - 1 most likely others. Sampled at temperature 1 on the random demo model, the
 sampled token is rarely among the top 2: the order is visible. Token strings are
-``token_id:<id>`` so that two tokens that decode alike stay two keys."""
+``token_id:<id>`` so that two tokens that decode alike stay two keys. A token outside the top k
+carries its real rank (vLLM's)."""
 
 from __future__ import annotations
 
@@ -56,9 +57,9 @@ def test_chat_top_logprobs_start_with_the_sampled_token(client, server, offline_
         tops = [(t.token, t.logprob) for t in entry.top_logprobs]
         assert [t for t, _ in tops] == _keys(pos)[:2]  # the first 2 of vLLM's dict
         assert tops[0] == (entry.token, entry.logprob)
-        rank = pos[tid].rank  # None outside the top k: the ranks do not send it (yet)
-        outside += rank is None or rank > 2
-        if rank is None or rank > 2:  # not in the top 2: the single other is the most likely
+        rank = pos[tid].rank  # its place in the top 2, else its real rank (vLLM's)
+        outside += rank > 2
+        if rank > 2:  # not in the top 2: the single other is the most likely
             assert pos[int(tops[1][0].split(":")[1])].rank == 1
     assert outside, "no sampled token fell outside the top 2: the order was not exercised"
     stream = client.chat.completions.create(model=server.model, messages=CHAT, logprobs=True,
@@ -80,6 +81,28 @@ def test_prompt_logprobs_start_with_the_prompt_token(client, server, offline_llm
         assert list(pos)[0] == str(tid)
         ranks = [e["rank"] for e in list(pos.values())[1:]]
         assert None not in ranks and ranks == sorted(ranks)  # then the top k in rank order
+
+
+def test_prompt_logprobs_carry_the_real_rank(client, server, offline_llm, demo_model_dir):
+    """A prompt token outside the top k shows its real rank, as vLLM's: the count of vocabulary
+    tokens at least as likely, here from transformers' fp32 logits of the same checkpoint."""
+    import torch
+    from oracle import hf_model
+
+    ids = offline_llm.get_tokenizer().encode(PROMPT)
+    r = client.completions.create(model=server.model, prompt=PROMPT, max_tokens=1,
+                                  extra_body={"prompt_logprobs": 1})
+    got = r.choices[0].model_extra["prompt_logprobs"]
+    assert got[0] is None and len(got) == len(ids)
+    with torch.inference_mode():
+        lp = torch.log_softmax(hf_model(str(demo_model_dir))(torch.tensor([ids])).logits[0], -1)
+    ranks = []
+    for i, pos in enumerate(got[1:], start=1):
+        want = int((lp[i - 1] >= lp[i - 1, ids[i]]).sum())
+        assert list(pos)[0] == str(ids[i]) and pos[str(ids[i])]["rank"] == want, i
+        assert sorted(e["rank"] for e in pos.values()) == ([1] if want == 1 else [1, want])
+        ranks.append(want)
+    assert any(rank > 1 for rank in ranks), ranks  # outside the top 1: not only its place
 
 
 def test_an_echoed_prompt_shows_logprobs_plus_one_entries(client, server):
