@@ -1,7 +1,9 @@
 """The OpenAI request bodies as pydantic models (the HTTP edge), and their sampling knobs.
 
-Invariants: models are strict (a bool is not an int, a string is not a number) and ignore
-unknown fields as vLLM does; every integer is bounded so no value reaches a tensor it cannot
+Invariants: values are coerced as vLLM's request models (pydantic's lax mode) coerce them
+(``"5"`` or ``5.0`` for an int, ``"0.5"`` for a float, ``"true"`` for a bool), never to a NaN or
+an infinity; an unknown field is a 400 naming it (vLLM ignores it: nothing a client sends is
+accepted and ignored here); every integer is bounded so no value reaches a tensor it cannot
 fit; ``sampling_kwargs`` returns plain ``SamplingParams`` keywords that have been checked by
 constructing ``SamplingParams`` (its ``ValueError`` becomes a 400 naming the field). The
 per-request work limits (``n``, stop strings, stop ids, logprobs: ``head/limits.py``) are the
@@ -27,8 +29,8 @@ from epserve.head.sampling_params import SamplingParams
 MAX_PROMPTS = 256
 MAX_CHOICES = 1024
 INT32 = 2**31 - 1
-# An unknown field is a 400 naming it: nothing a client sends is accepted and ignored.
-_STRICT = ConfigDict(strict=True, extra="forbid")
+# vLLM's coercions (lax), no NaN or infinity; an unknown field is a 400 naming it.
+_STRICT = ConfigDict(extra="forbid", allow_inf_nan=False)
 
 TokenIds = list[int]
 _TOKEN_KEY = re.compile(r"\s*[-+]?\d{1,19}\s*")  # what int() reads, bounded

@@ -1,7 +1,7 @@
 """OpenAI's Responses API request body (POST /v1/responses) as pydantic models, and its
 translation into the OpenAI chat body the chat path serves.
 
-Invariants: models are strict and refuse an unknown field with a 400 naming it, as the chat
+Invariants: values are coerced as vLLM's (and the chat models') are; an unknown field is a 400 naming it, as the chat
 models do. ``input`` is a string or a list of items, each kept in order: ``message`` items (a
 ``developer`` message is a system message, as OpenAI defines it), ``function_call`` items and
 ``function_call_output`` items (the tool loop), and ``reasoning`` items sent back; a model
@@ -23,7 +23,7 @@ from epserve.deploy.errors import ApiError, bad_request
 from epserve.deploy.openai_models import INT32, validate
 from epserve.deploy.structured_output import responses_text_format
 
-_STRICT = ConfigDict(strict=True, extra="forbid")
+_STRICT = ConfigDict(extra="forbid", allow_inf_nan=False)  # vLLM's coercions
 _TEXT_ONLY = "this server serves text-only models; send input_text parts"
 _NOT_STORED = ("this server does not store responses, so it cannot refer to earlier ones; "
                "send the whole conversation as input")

@@ -18,14 +18,14 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, create_model
 from epserve.deploy.errors import bad_request
 from epserve.head.structured_params import StructuredOutputsParams
 
-_STRICT = ConfigDict(strict=True, extra="forbid")
+_STRICT = ConfigDict(extra="forbid", allow_inf_nan=False)  # vLLM's coercions
 _HINTS = get_type_hints(StructuredOutputsParams)
 
 
 class JsonSchemaFormat(BaseModel):
     """``response_format.json_schema``: OpenAI's name, description, schema and strict."""
 
-    model_config = ConfigDict(strict=True, extra="forbid", populate_by_name=True)
+    model_config = ConfigDict(extra="forbid", allow_inf_nan=False, populate_by_name=True)
     name: str = Field(..., pattern=r"^[A-Za-z0-9_-]{1,64}$")
     description: str | None = None
     schema_: dict[str, Any] | None = Field(None, alias="schema")
