@@ -3,7 +3,7 @@
 # (<= 10 min). The device machine has torch, triton, transformers and msgpack but no fla-core:
 # its wheels travel in .whl (see the tool library's device/README.md).
 #
-#   bash bench/gpu_session.sh prep      # here, once per checkout: fla-core + einops wheels
+#   bash bench/gpu_session.sh prep      # here, once per checkout: the wheels the device lacks
 #   # then, on the device (run with carry [".whl"]), one stage per call:
 #   bash bench/gpu_session.sh tests     # pytest tests/gpu (hybrid kernels and spec included)
 #   bash bench/gpu_session.sh qwen3     # no regression: decode_latency + throughput short
@@ -18,7 +18,11 @@ log=${OUT:-/tmp}/$stage.log
 
 if [ "$stage" = prep ]; then
   grep -qx '/.whl/' .git/info/exclude || echo /.whl/ >> .git/info/exclude
-  for w in fla-core==0.6.0 einops==0.8.2; do
+  # fla-core (hybrid prefill); xgrammar and jsonschema with what they need (structured output)
+  for w in fla-core==0.6.0 einops==0.8.2 xgrammar==0.2.9 apache-tvm-ffi==0.1.15.post2 \
+      pydantic==2.14.4 pydantic-core==2.50.5 annotated-types==0.8.0 typing-inspection==0.4.5 \
+      jsonschema==4.26.0 attrs==26.1.0 jsonschema-specifications==2025.9.1 \
+      referencing==0.37.0 rpds-py==2026.9.1; do
     python3 -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 \
       --implementation cp --platform manylinux_2_28_x86_64 --platform manylinux2014_x86_64 \
       --platform any -d .whl "$w" || exit
