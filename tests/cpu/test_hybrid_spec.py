@@ -185,3 +185,38 @@ def test_a_rewind_outside_the_verify_fails_only_its_request(hybrid_ckpt):
             assert "its recurrent state can only go back inside the verify" in out.error
         else:
             assert out.error is None and out.outputs[0].token_ids == w.outputs[0].token_ids
+
+
+def test_a_rewind_the_ranks_state_disagrees_with_fails_the_step_not_the_engine(hybrid_ckpt):
+    """A rewind inside the verified window but not where the rank folded the states (a leader
+    bug) would leave KV and states covering different tokens: the rank refuses the step in its
+    agreed preparation, that step's requests fail with the reason, and the engine goes on."""
+    sp = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True)
+    prompt = counting_prompts()[0]
+    want = _llm(hybrid_ckpt).generate([{"prompt_token_ids": prompt}], sp)[0].outputs[0]
+    llm = _llm(hybrid_ckpt, speculative_config=NGRAM)
+    eng, fired = llm.engine, {}
+
+    def mutate(cmd, mirror):
+        if not cmd.rewinds:
+            return cmd
+        r = cmd.rewinds[0]
+        start, end = mirror.verified[(r.rank, r.slot)]
+        other = r.seq_len - 1 if r.seq_len - 1 > start else r.seq_len + 1
+        if other > end:
+            return cmd
+        fired["step"] = cmd.step_id
+        return dataclasses.replace(cmd, rewinds=(dataclasses.replace(r, seq_len=other),)
+                                   + tuple(cmd.rewinds[1:]))
+
+    rid = eng.add_request("bad", prompt, sp).request_id
+    final = {}
+    while eng.has_unfinished():
+        if not fired:
+            llm.model.inject_fault(mutate)
+        final.update((o.request_id, o) for o in eng.step() if o.finished)
+    assert fired
+    assert final[rid].outputs[0].finish_reason == "error"
+    assert "preparation failed on rank 0" in final[rid].error
+    again = llm.generate([{"prompt_token_ids": prompt}], sp)[0].outputs[0]
+    assert again.token_ids == want.token_ids
