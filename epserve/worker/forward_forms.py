@@ -62,9 +62,10 @@ class ForwardForms:
                               ) -> tuple[tuple[SampledToken, ...], ...]:
         """``tokens``: per sequence its last token then its ``ks[i]`` drafts. The target's
         token at every position, per sequence; each sequence keeps the accepted prefix."""
-        if opts.write_on_accept:
-            raise ValueError("VerifyBatchedOpts.write_on_accept defers recurrent-state writes "
-                             "of gated-DeltaNet layers; this model has none")
+        if opts.write_on_accept:  # the seed's caller-side gdn_fold_accepted
+            raise ValueError("VerifyBatchedOpts.write_on_accept asks the caller to fold the "
+                             "accepted prefix into recurrent states; here every verify does that "
+                             "on the sequence's rank itself (ModelSsmState): leave it False")
         if len(ks) != len(seqs) or sum(k + 1 for k in ks) != len(tokens) or min(ks, default=0) < 0:
             raise ValueError(f"decode_verify_batched: {len(tokens)} tokens do not split into "
                              f"{len(seqs)} sequences of 1 + ks={list(ks)}")
