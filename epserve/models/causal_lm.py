@@ -17,8 +17,7 @@ from torch import nn
 from epserve.kernels.attention import AttentionMetadata
 from epserve.models.config import ModelConfig
 from epserve.models.layer_cache import KvCacheSpec, LayerCacheSpec
-from epserve.models.layers import (Attention, RMSNorm, RotaryEmbedding, SparseMoeBlock, WeightMap,
-                                   map_attention)
+from epserve.models.layers import Attention, RMSNorm, RotaryEmbedding, WeightMap, map_attention
 from epserve.models.parallel import ParallelInfo
 
 KVCache = tuple[torch.Tensor, torch.Tensor]  # (k_cache, v_cache), or a linear layer's states
@@ -37,19 +36,31 @@ class DecoderLayer(nn.Module):
     def forward(self, positions: torch.Tensor, hidden: torch.Tensor, residual: torch.Tensor | None,
                 kv_cache: KVCache, meta: AttentionMetadata, rope: RotaryEmbedding):
         """hidden, residual: [T, H] (residual None at the first layer). Returns (hidden, residual)."""
-        if residual is None:
-            residual, hidden = hidden, self.input_layernorm(hidden)
-        else:
-            hidden, residual = self.input_layernorm(hidden, residual)
-        hidden = self.self_attn(positions, hidden, kv_cache, meta, rope)  # [T, H]
-        if isinstance(self.ffn, SparseMoeBlock):  # its router fuses with the pre-norm
-            return self.ffn.forward_prenorm(hidden, residual, self.post_attention_layernorm,
-                                            meta.slot_mapping)
-        hidden, residual = self.post_attention_layernorm(hidden, residual)
-        return self.ffn(hidden), residual  # [T, H], [T, H]
+        return pre_norm_block(self, self.self_attn, positions, hidden, residual, kv_cache, meta,
+                              rope)
 
     def cache_spec(self) -> KvCacheSpec:
         return KvCacheSpec(self.self_attn.num_kv_heads, self.self_attn.head_dim)
+
+
+def pre_norm_block(layer: nn.Module, mixer: nn.Module, positions: torch.Tensor,
+                   hidden: torch.Tensor, residual: torch.Tensor | None, cache: KVCache,
+                   meta: AttentionMetadata, rope: nn.Module):
+    """One pre-norm block: ``x + mixer(norm(x))`` then ``x + ffn(norm(x))`` with the residual
+    carried through the fused add+norm (``layer``'s ``input_layernorm``,
+    ``post_attention_layernorm`` and ``ffn``). A feed-forward with ``forward_prenorm`` (a MoE
+    block) takes the second add+norm itself: its router fuses with it. Returns (hidden,
+    residual), [T, H] each."""
+    if residual is None:
+        residual, hidden = hidden, layer.input_layernorm(hidden)
+    else:
+        hidden, residual = layer.input_layernorm(hidden, residual)
+    hidden = mixer(positions, hidden, cache, meta, rope)  # [T, H]
+    prenorm = getattr(layer.ffn, "forward_prenorm", None)
+    if prenorm is not None:
+        return prenorm(hidden, residual, layer.post_attention_layernorm, meta.slot_mapping)
+    hidden, residual = layer.post_attention_layernorm(hidden, residual)
+    return layer.ffn(hidden), residual
 
 
 class DecoderOnlyLM(nn.Module):

@@ -26,7 +26,7 @@ from torch import nn
 
 from epserve.kernels.attention import AttentionMetadata
 from epserve.kernels.linear import linear
-from epserve.models.causal_lm import DecoderOnlyLM
+from epserve.models.causal_lm import DecoderOnlyLM, pre_norm_block
 from epserve.models.config import ModelConfig
 from epserve.models.gated_attention import GatedAttention, map_gated_attention
 from epserve.models.gated_deltanet import (GatedDeltaNet, map_deltanet_grouped,
@@ -83,16 +83,7 @@ class HybridDecoderLayer(nn.Module):
                 rope: RotaryEmbedding):
         """hidden, residual: [T, H] (residual None at the first layer); cache: this layer's KV
         cache or states. Returns (hidden, residual)."""
-        if residual is None:
-            residual, hidden = hidden, self.input_layernorm(hidden)
-        else:
-            hidden, residual = self.input_layernorm(hidden, residual)
-        hidden = self.mixer(positions, hidden, cache, meta, rope)  # [T, H]
-        if isinstance(self.ffn, SharedExpertMoeBlock):  # its router fuses with the pre-norm
-            return self.ffn.forward_prenorm(hidden, residual, self.post_attention_layernorm,
-                                            meta.slot_mapping)
-        hidden, residual = self.post_attention_layernorm(hidden, residual)
-        return self.ffn(hidden), residual
+        return pre_norm_block(self, self.mixer, positions, hidden, residual, cache, meta, rope)
 
     def cache_spec(self) -> LayerCacheSpec:
         return self.mixer.cache_spec()
