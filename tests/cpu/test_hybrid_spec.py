@@ -149,26 +149,28 @@ def test_a_rewind_later_than_the_next_command_is_refused():
         m.validate(StepCommand(step_id=3, rewinds=(Rewind(1, 2, 6, 2),)))
 
 
-def test_a_rewind_outside_the_verify_fails_only_its_request(hybrid_ckpt):
-    """A command whose rewind would take a sequence's KV somewhere its states are not (here:
-    back past the verify) is refused; only that request fails, with the refusal as its
-    error, and the others come out as without speculation."""
-    reqs = counting_prompts()
-    sp = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True)
-    want = _llm(hybrid_ckpt).generate([{"prompt_token_ids": p} for p in reqs], sp)
-    llm = _llm(hybrid_ckpt, speculative_config=NGRAM)
-    eng, fired = llm.engine, {}
-
+def _rewinding_to(where, fired: dict):
+    """A fault for ``inject_fault``: a command's first rewind goes to ``where(seq_len, start,
+    end)`` of its sequence's verified window (None: the command is left as it is); ``fired``
+    gets the sequence's key."""
     def mutate(cmd, mirror):
         if not cmd.rewinds:
             return cmd
         r = cmd.rewinds[0]
-        start = mirror.verified[(r.rank, r.slot)][0]
-        fired.update(key=(r.rank, r.slot))
-        return dataclasses.replace(cmd, rewinds=(dataclasses.replace(r, seq_len=start),)
+        to = where(r.seq_len, *mirror.verified[(r.rank, r.slot)])
+        if to is None:
+            return cmd
+        fired["key"] = (r.rank, r.slot)
+        return dataclasses.replace(cmd, rewinds=(dataclasses.replace(r, seq_len=to),)
                                    + tuple(cmd.rewinds[1:]))
+    return mutate
 
-    ids = [eng.add_request(f"r{i}", p, sp).request_id for i, p in enumerate(reqs)]
+
+def _drive(llm: LLM, prompts, sp, mutate, fired: dict) -> tuple[list, dict, dict]:
+    """``prompts`` through the engine step by step, ``mutate`` injected until it fires: the
+    request ids, who held each (rank, slot) when it fired, the finished outputs by id."""
+    eng = llm.engine
+    ids = [eng.add_request(f"r{i}", p, sp).request_id for i, p in enumerate(prompts)]
     owners, final = {}, {}
     while eng.has_unfinished():
         if not fired:
@@ -177,6 +179,18 @@ def test_a_rewind_outside_the_verify_fails_only_its_request(hybrid_ckpt):
             llm.model.inject_fault(mutate)
         final.update((o.request_id, o) for o in eng.step() if o.finished)
     assert fired
+    return ids, owners, final
+
+
+def test_a_rewind_outside_the_verify_fails_only_its_request(hybrid_ckpt):
+    """A command whose rewind would take a sequence's KV somewhere its states are not (here:
+    back past the verify) is refused; only that request fails, with the refusal as its
+    error, and the others come out as without speculation."""
+    reqs = counting_prompts()
+    sp = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True)
+    want = _llm(hybrid_ckpt).generate([{"prompt_token_ids": p} for p in reqs], sp)
+    llm, fired = _llm(hybrid_ckpt, speculative_config=NGRAM), {}
+    ids, owners, final = _drive(llm, reqs, sp, _rewinding_to(lambda n, a, b: a, fired), fired)
     bad = owners[fired["key"]]
     for rid, w in zip(ids, want):
         out = final[rid]
@@ -194,28 +208,13 @@ def test_a_rewind_the_ranks_state_disagrees_with_fails_the_step_not_the_engine(h
     sp = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True)
     prompt = counting_prompts()[0]
     want = _llm(hybrid_ckpt).generate([{"prompt_token_ids": prompt}], sp)[0].outputs[0]
-    llm = _llm(hybrid_ckpt, speculative_config=NGRAM)
-    eng, fired = llm.engine, {}
+    llm, fired = _llm(hybrid_ckpt, speculative_config=NGRAM), {}
 
-    def mutate(cmd, mirror):
-        if not cmd.rewinds:
-            return cmd
-        r = cmd.rewinds[0]
-        start, end = mirror.verified[(r.rank, r.slot)]
-        other = r.seq_len - 1 if r.seq_len - 1 > start else r.seq_len + 1
-        if other > end:
-            return cmd
-        fired["step"] = cmd.step_id
-        return dataclasses.replace(cmd, rewinds=(dataclasses.replace(r, seq_len=other),)
-                                   + tuple(cmd.rewinds[1:]))
+    def elsewhere(n: int, start: int, end: int) -> int | None:
+        other = n - 1 if n - 1 > start else n + 1
+        return other if other <= end else None
 
-    rid = eng.add_request("bad", prompt, sp).request_id
-    final = {}
-    while eng.has_unfinished():
-        if not fired:
-            llm.model.inject_fault(mutate)
-        final.update((o.request_id, o) for o in eng.step() if o.finished)
-    assert fired
+    (rid,), _, final = _drive(llm, [prompt], sp, _rewinding_to(elsewhere, fired), fired)
     assert final[rid].outputs[0].finish_reason == "error"
     assert "preparation failed on rank 0" in final[rid].error
     again = llm.generate([{"prompt_token_ids": prompt}], sp)[0].outputs[0]
