@@ -10,6 +10,7 @@ import importlib.util
 
 import pytest
 import torch
+from decode_case import decode_layout
 from gpu_timing import graph_us
 
 pytestmark = [
@@ -24,23 +25,15 @@ def _case(lens, seed):
     from epserve.kernels.rope import build_rope_cache
 
     g = torch.Generator(device="cuda").manual_seed(seed)
-    s = len(lens)
-    width = max(-(-n // BS) for n in lens)
-    nb = s * width + 4
-    tables = torch.randperm(nb, device="cuda", generator=g)[:s * width].view(s, width).int()
+    lay = decode_layout(lens, BS, g)  # the last row is CUDA-graph padding
+    s, nb = len(lens), lay.pop("nb")
     cos, sin = build_rope_cache(D, 4096, 1e6)
     qkv = torch.randn(s, (HQ + 2 * HKV) * D, device="cuda", generator=g).bfloat16()
     kc = torch.randn(nb, BS, HKV, D, device="cuda", generator=g).bfloat16()
     vc = torch.randn(nb, BS, HKV, D, device="cuda", generator=g).bfloat16()
-    pos = torch.tensor([n - 1 for n in lens], device="cuda")
-    slots = torch.tensor([int(tables[i, (n - 1) // BS]) * BS + (n - 1) % BS
-                          for i, n in enumerate(lens)], device="cuda")
-    lens_t = torch.tensor(lens, dtype=torch.int32, device="cuda")
-    if s > 1:  # the last row is CUDA-graph padding
-        slots[-1], lens_t[-1], pos[-1] = -1, 1, 0
     w = [(1 + 0.1 * torch.randn(D, device="cuda", generator=g)).bfloat16() for _ in range(2)]
-    return dict(qkv=qkv, kc=kc, vc=vc, pos=pos, slots=slots, lens=lens_t, tables=tables,
-                cos=cos.cuda(), sin=sin.cuda(), qw=w[0], kw=w[1])
+    return dict(qkv=qkv, kc=kc, vc=vc, **lay, cos=cos.cuda(), sin=sin.cuda(), qw=w[0],
+                kw=w[1])
 
 
 def _views(qkv):
