@@ -57,6 +57,17 @@ def test_output_is_unchanged_by_ngram_speculation(hybrid_ckpt, case):
         assert spec.engine.scheduler.num_preemptions > 0
 
 
+def test_a_plain_draft_model_for_a_hybrid_target_changes_nothing(hybrid_ckpt, qwen3_ckpt):
+    """A Qwen3-MoE draft model (no recurrent state: its rejected drafts are rewound) for a
+    hybrid target: the target's output, token for token."""
+    reqs = [{"prompt_token_ids": p} for p in counting_prompts()]
+    sp = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True, logprobs=1)
+    spec = _llm(hybrid_ckpt, speculative_config={"method": "draft_model", "model":
+                                                 str(qwen3_ckpt), "num_speculative_tokens": 2})
+    _same(_llm(hybrid_ckpt).generate(reqs, sp), spec.generate(reqs, sp))
+    assert spec.engine.stats.spec.num_drafts > 0
+
+
 def _states(llm: LLM, slot: int) -> list[torch.Tensor]:
     runner = llm.model.runner
     spare = runner.spare_state_slot
