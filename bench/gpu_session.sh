@@ -5,7 +5,8 @@
 #
 #   bash bench/gpu_session.sh prep      # here, once per checkout: the wheels the device lacks
 #   # then, on the device (run with carry [".whl"]), one stage per call:
-#   bash bench/gpu_session.sh tests     # pytest tests/gpu (hybrid kernels and spec included)
+#   bash bench/gpu_session.sh tests     # tests/gpu: this session's (hybrids, spec, masks)
+#   bash bench/gpu_session.sh tests-rest # tests/gpu: the others (regressions)
 #   bash bench/gpu_session.sh qwen3     # no regression: decode_latency + throughput short
 #   bash bench/gpu_session.sh hybrid    # issue 17: decode vs floor and transformers, MTP cost
 #   bash bench/gpu_session.sh hybrid-short   # issue 17: short workload vs transformers
@@ -13,7 +14,7 @@
 # Each stage tees its log to $OUT (it comes back even when a stage runs out of time); record
 # the figures in bench/RESULTS.md with the date and the exact command.
 set -o pipefail
-stage=${1:?stage: prep, tests, qwen3, hybrid or hybrid-short}
+stage=${1:?stage: prep, tests, tests-rest, qwen3, hybrid or hybrid-short}
 log=${OUT:-/tmp}/$stage.log
 
 if [ "$stage" = prep ]; then
@@ -34,9 +35,12 @@ fi
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
   --target /tmp/site .whl/*.whl || exit
 export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1
+NEW="hybrid or gated_delta or structured or spec_decode or norm or rope"  # touched in session 11
 case "$stage" in
   tests)
-    python -m pytest -q tests/gpu 2>&1 | tee "$log" ;;
+    python -m pytest -q tests/gpu -k "$NEW" 2>&1 | tee "$log" ;;
+  tests-rest)
+    python -m pytest -q tests/gpu -k "not ($NEW)" 2>&1 | tee "$log" ;;
   qwen3)
     { python bench/decode_latency.py --batch 1 8 --steps 32 --repeats 2 &&
       python bench/throughput.py --workload short --skip-transformers; } 2>&1 | tee "$log" ;;
