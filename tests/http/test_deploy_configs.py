@@ -135,7 +135,7 @@ def test_serve_run_serves_the_yaml_then_reports_a_dead_engine(own_cluster, demo_
                 return requests.get(base + "/v1/models", timeout=5).status_code == 200
             except requests.RequestException:  # refused, or queued while deploying
                 return False
-        assert wait_for(up, timeout_s=240, every_s=1), "serve run never came up"
+        assert wait_for(up, timeout_s=240, every_s=0.2), "serve run never came up"
         assert requests.get(base + "/v1/models", timeout=30).json()["data"][0]["id"] == \
             "yaml-demo"
         r = requests.post(base + "/v1/chat/completions", timeout=60, json={

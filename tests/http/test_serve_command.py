@@ -40,7 +40,7 @@ def test_serve_main_over_a_tokenizer_less_checkpoint(qwen3_ckpt, tmp_path):
         def up():
             assert proc.poll() is None, (tmp_path / "stderr.log").read_text()[-3000:]
             return f"{base}/v1" in (tmp_path / "stdout.log").read_text()
-        assert wait_for(up, timeout_s=240, every_s=1), "never printed its URL"
+        assert wait_for(up, timeout_s=240, every_s=0.2), "never printed its URL"
         r = requests.post(base + "/v1/completions", timeout=60, json={
             "model": "tiny", "prompt": [5, 6, 7], "max_tokens": 4, "temperature": 0,
             "logprobs": 1, "return_token_ids": True})
