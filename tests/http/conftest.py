@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 from serverkit import (API_KEY, APP_NAME, BODY_READ_TIMEOUT_S, HEADER_READ_TIMEOUT_S, HEAD_NAME,
-                       Server, free_port, wait_for)
+                       Server, delete_app, free_port, wait_for)
 
 
 _HERE = Path(__file__).parent
@@ -85,7 +85,7 @@ def scripted_server(server, demo_model_dir, tmp_path_factory) -> Server:
                      "tool_call_parser": "hermes", "reasoning_parser": "qwen3",
                      "return_tokens_as_token_ids": True, "max_logprobs": -1})
     _CLEANUPS.append(lambda: stop_head(SCRIPTED_HEAD))
-    _CLEANUPS.append(lambda: serve.delete(SCRIPTED_APP))  # runs first: the app, then its head
+    _CLEANUPS.append(lambda: delete_app(SCRIPTED_APP))  # runs first: the app, then its head
     serve.run(app, name=SCRIPTED_APP, route_prefix=SCRIPTED_PREFIX, blocking=False)
     base = server.base + SCRIPTED_PREFIX
     assert wait_for(lambda: requests.get(f"{base}/health", timeout=10).status_code == 200,

@@ -63,6 +63,16 @@ def metric(samples: dict[str, float], name: str, **labels: str) -> float:
     return 0.0
 
 
+def delete_app(name: str) -> None:
+    """``serve.delete(name)`` without waiting for it: the blocking call polls (every 1 s) until
+    the app's replica has sat out Serve's graceful-shutdown loop, ~3 s, though nothing is in
+    flight at a fixture's teardown. Serve's controller still deletes it; calls from here reach
+    the controller in order, so the last test's ``serve.shutdown`` waits for it."""
+    from ray import serve
+
+    serve.delete(name, _blocking=False)
+
+
 def wait_for(pred, timeout_s: float = 20.0, every_s: float = 0.1):
     """Poll ``pred`` until it returns a truthy value (returned) or time runs out (None)."""
     end = time.monotonic() + timeout_s

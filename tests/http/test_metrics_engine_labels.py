@@ -14,7 +14,7 @@ import re
 
 import pytest
 import requests
-from serverkit import API_KEY, Server, metric, scrape, wait_for
+from serverkit import API_KEY, Server, delete_app, metric, scrape, wait_for
 
 SMALL_APP, SMALL_HEAD, SMALL_PREFIX = ("epserve-http-small-kv", "epserve-head-small-kv",
                                        "/smallkv")
@@ -92,7 +92,7 @@ def small_kv_server(server, demo_model_dir) -> Server:
     finally:  # this module's engine goes with it: the app (unless Serve has already gone,
         # after the last HTTP test), then its head
         with contextlib.suppress(RayServeException):
-            serve.delete(SMALL_APP)
+            delete_app(SMALL_APP)
         stop_head(SMALL_HEAD)
 
 

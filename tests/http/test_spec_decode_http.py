@@ -15,7 +15,7 @@ import json
 import openai
 import pytest
 import requests
-from serverkit import API_KEY, Server, metric, scrape, wait_for
+from serverkit import API_KEY, Server, delete_app, metric, scrape, wait_for
 
 SPEC_APP, SPEC_HEAD, SPEC_PREFIX = ("epserve-http-spec", "epserve-head-spec", "/spec")
 K = 3
@@ -60,7 +60,7 @@ def spec_server(server, demo_model_dir) -> Server:
         yield Server(base, "demo-spec", API_KEY)
     finally:
         try:
-            serve.delete(SPEC_APP)
+            delete_app(SPEC_APP)
         except RayServeException:  # the HTTP tests' last teardown already shut Serve down
             pass
         stop_head(SPEC_HEAD)

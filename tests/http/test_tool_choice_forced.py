@@ -22,7 +22,7 @@ import openai
 import pytest
 import requests
 from scripted_model import TEMPLATE
-from serverkit import API_KEY, Server, wait_for
+from serverkit import API_KEY, Server, delete_app, wait_for
 
 APP, HEAD, PREFIX = "epserve-http-forced", "epserve-head-forced", "/forced"
 WEATHER = {"type": "object", "properties": {
@@ -69,7 +69,7 @@ def forced_server(server, demo_model_dir, tmp_path_factory) -> Server:
                     timeout_s=240), "the forced app never became healthy"
     yield Server(base, "forced", API_KEY)
     try:
-        serve.delete(APP)
+        delete_app(APP)
     except RayServeException:  # the session's cleanup shut Serve, and every app, down first
         pass
     stop_head(HEAD)

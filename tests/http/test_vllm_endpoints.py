@@ -12,7 +12,7 @@ import time
 
 import pytest
 import requests
-from serverkit import API_KEY, HEAD_NAME, wait_for
+from serverkit import API_KEY, HEAD_NAME, delete_app, wait_for
 
 import epserve
 
@@ -127,7 +127,7 @@ def no_tokenizer_app(server, qwen3_ckpt):
         yield base
     finally:
         try:
-            serve.delete(NO_TOKENIZER_APP)
+            delete_app(NO_TOKENIZER_APP)
         except Exception:  # Serve already went with the session's server (the last test)
             pass
         stop_head(NO_TOKENIZER_HEAD)  # detached: stopped whatever happened
