@@ -64,6 +64,8 @@ def extract_bf16(row: bytes, target: int, k: int) -> PromptTokenLogprob:
         raise ValueError(f"extract_bf16: odd byte count {len(row)}")
     logits = [bf16_to_f32(row[i : i + 2]) for i in range(0, len(row), 2)]
     lp, top = logprob_of(logits, target, k)
-    return PromptTokenLogprob(token_id=target, logprob=lp, top=tuple(top))
+    rank = (sum(v >= logits[target] for v in logits) if 0 <= target < len(logits)
+            else None)  # vLLM's: the tokens at least as likely, itself included
+    return PromptTokenLogprob(token_id=target, logprob=lp, top=tuple(top), rank=rank)
 
 

@@ -68,6 +68,8 @@ def test_extract_bf16_row():
     lp, top = T.logprob_of(vals, 2, 2)
     assert got.token_id == 2 and got.logprob == pytest.approx(lp)
     assert [t for t, _ in got.top] == [1, 2]
+    assert got.rank == 2 and T.extract_bf16(row, 3, 0).rank == 4  # vLLM's rank, top or not
+    assert T.extract_bf16(row, 9, 1).rank is None  # outside the vocab
     with pytest.raises(ValueError):
         T.extract_bf16(b"\x00\x00\x00", 0, 1)
 
