@@ -7,8 +7,6 @@ touches a state). Every rank refuses a rewind its recurrent state cannot follow.
 
 from __future__ import annotations
 
-import dataclasses
-
 import pytest
 import torch
 
@@ -17,6 +15,7 @@ from epserve.models.traits import EpCommandFailed, RowSampling
 from epserve.worker.ep_mirror import EpMirror
 from epserve.worker.step_command import (BlockUpdate, NewSeq, PrefillRow, Rewind, StepCommand,
                                          VerifyRow)
+from rewind_faults import drive, rewinding_to
 from spec_ckpt import counting_prompts, make_successor_checkpoint
 
 NGRAM = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 3,
@@ -160,39 +159,6 @@ def test_a_rewind_later_than_the_next_command_is_refused():
         m.validate(StepCommand(step_id=3, rewinds=(Rewind(1, 2, 6, 2),)))
 
 
-def _rewinding_to(where, fired: dict):
-    """A fault for ``inject_fault``: a command's first rewind goes to ``where(seq_len, start,
-    end)`` of its sequence's verified window (None: the command is left as it is); ``fired``
-    gets the sequence's key."""
-    def mutate(cmd, mirror):
-        if not cmd.rewinds:
-            return cmd
-        r = cmd.rewinds[0]
-        to = where(r.seq_len, *mirror.verified[(r.rank, r.slot)])
-        if to is None:
-            return cmd
-        fired["key"] = (r.rank, r.slot)
-        return dataclasses.replace(cmd, rewinds=(dataclasses.replace(r, seq_len=to),)
-                                   + tuple(cmd.rewinds[1:]))
-    return mutate
-
-
-def _drive(llm: LLM, prompts, sp, mutate, fired: dict) -> tuple[list, dict, dict]:
-    """``prompts`` through the engine step by step, ``mutate`` injected until it fires: the
-    request ids, who held each (rank, slot) when it fired, the finished outputs by id."""
-    eng = llm.engine
-    ids = [eng.add_request(f"r{i}", p, sp).request_id for i, p in enumerate(prompts)]
-    owners, final = {}, {}
-    while eng.has_unfinished():
-        if not fired:
-            owners = {(s.state.rank, s.state.slot_idx): s.request.request_id
-                      for s in eng.scheduler.running if s.state is not None}
-            llm.model.inject_fault(mutate)
-        final.update((o.request_id, o) for o in eng.step() if o.finished)
-    assert fired
-    return ids, owners, final
-
-
 def test_a_rewind_outside_the_verify_fails_only_its_request(hybrid_ckpt):
     """A command whose rewind would take a sequence's KV somewhere its states are not (here:
     back past the verify) is refused; only that request fails, with the refusal as its
@@ -201,7 +167,8 @@ def test_a_rewind_outside_the_verify_fails_only_its_request(hybrid_ckpt):
     sp = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True)
     want = _llm(hybrid_ckpt).generate([{"prompt_token_ids": p} for p in reqs], sp)
     llm, fired = _llm(hybrid_ckpt, speculative_config=NGRAM), {}
-    ids, owners, final = _drive(llm, reqs, sp, _rewinding_to(lambda n, a, b: a, fired), fired)
+    ids, owners, final = drive(llm.engine, llm.model, reqs, sp,
+                               rewinding_to(lambda n, a, b: a, fired), fired)
     bad = owners[fired["key"]]
     for rid, w in zip(ids, want):
         out = final[rid]
@@ -225,7 +192,8 @@ def test_a_rewind_the_ranks_state_disagrees_with_fails_the_step_not_the_engine(h
         other = n - 1 if n - 1 > start else n + 1
         return other if other <= end else None
 
-    (rid,), _, final = _drive(llm, [prompt], sp, _rewinding_to(elsewhere, fired), fired)
+    (rid,), _, final = drive(llm.engine, llm.model, [prompt], sp,
+                              rewinding_to(elsewhere, fired), fired)
     assert final[rid].outputs[0].finish_reason == "error"
     assert "preparation failed on rank 0" in final[rid].error
     again = llm.generate([{"prompt_token_ids": prompt}], sp)[0].outputs[0]

@@ -6,13 +6,13 @@ n-gram speculation too."""
 
 from __future__ import annotations
 
-import dataclasses
 import random
 import time
 
 import pytest
 
 from epserve import LLM, SamplingParams
+from rewind_faults import drive, rewinding_to
 from spec_ckpt import counting_prompts, make_successor_checkpoint
 from tiny_ckpt import make_tiny_checkpoint
 
@@ -107,31 +107,15 @@ def test_a_rewind_outside_the_verify_fails_only_its_request_on_every_rank(ray_cl
     ray_cluster.get(pg.ready(), timeout=60)
     group = EpGroup(args, pg)
     fired: dict = {}
-
-    def mutate(cmd, mirror):
-        if not cmd.rewinds:
-            return cmd
-        r = cmd.rewinds[0]
-        fired["key"] = (r.rank, r.slot)
-        bad = dataclasses.replace(r, seq_len=mirror.verified[fired["key"]][0])
-        return dataclasses.replace(cmd, rewinds=(bad, *cmd.rewinds[1:]))
-
     try:
         engine = build_engine(args, runner=group.leader)[0]
         before = [len(f) for f in ray_cluster.get([w.failures.remote() for w in group.workers])]
-        ids = [engine.add_request(None, p, GREEDY).request_id for p in prompts]
-        final, owners = {}, {}
-        while engine.has_unfinished():
-            if not fired:
-                owners = {(s.state.rank, s.state.slot_idx): s.request.request_id
-                          for s in engine.scheduler.running if s.state is not None}
-                group.leader.inject_fault(mutate)
-            final.update((o.request_id, o) for o in engine.step(finished_only=True))
+        ids, owners, final = drive(engine, group.leader, prompts, GREEDY,
+                                   rewinding_to(lambda n, a, b: a, fired), fired)
         after = ray_cluster.get([w.failures.remote() for w in group.workers])
     finally:
         group.shutdown(graceful=True)
         remove_placement_group(pg)
-    assert fired
     bad = owners[fired["key"]]
     for rid, w in zip(ids, want):
         if rid == bad:
