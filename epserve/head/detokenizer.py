@@ -4,12 +4,18 @@ Invariants: ``text`` only ever grows, and never ends in a partial UTF-8 characte
 that ends with U+FFFD is held back until a later token completes it, or ``finish``). After
 ``finish()``, ``text`` equals ``tokenizer.decode(output_ids)`` for byte-level BPE tokenizers;
 for SentencePiece-style ones it keeps the leading space the prompt context gives (as vLLM).
-Pure Python, no torch.
+With a Rust-backed tokenizer (``tokenizers.Tokenizer``, or a transformers fast tokenizer that
+does not clean up spaces) each token is one ``tokenizers.decoders.DecodeStream.step`` (the same
+window technique in Rust, ~8x cheaper than two Python-side decodes; vLLM uses it too); any other
+tokenizer gets the same technique through its ``decode``. No torch.
 """
 
 from __future__ import annotations
 
 from typing import Any, Sequence
+
+from tokenizers import Tokenizer
+from tokenizers.decoders import DecodeStream
 
 _REPLACEMENT = "\ufffd"
 
@@ -31,7 +37,8 @@ class IncrementalDetokenizer:
     ``_tokens[_prefix:_read]`` and ``_tokens[_prefix:]`` and emits the difference.
     """
 
-    __slots__ = ("_tok", "_skip", "_tokens", "_prefix", "_read", "_text", "_n_out")
+    __slots__ = ("_tok", "_skip", "_tokens", "_prefix", "_read", "_text", "_n_out", "_rust",
+                 "_stream")
 
     def __init__(self, tokenizer: Any, prompt_token_ids: Sequence[int], skip_special_tokens: bool = True):
         self._tok = tokenizer
@@ -41,6 +48,9 @@ class IncrementalDetokenizer:
         self._read = len(self._tokens)
         self._text = ""
         self._n_out = 0
+        self._rust = rust_tokenizer(tokenizer)
+        self._stream = (None if self._rust is None else
+                        DecodeStream(ids=list(self._tokens), skip_special_tokens=skip_special_tokens))
 
     def _decode(self, ids: Sequence[int]) -> str:
         if not ids:
@@ -73,6 +83,13 @@ class IncrementalDetokenizer:
         """Append one output token; return the newly completed text (may be "")."""
         self._tokens.append(int(token_id))
         self._n_out += 1
+        if self._stream is not None:
+            delta = self._stream.step(self._rust, self._tokens[-1])
+            if not delta:  # held back (a partial character), or nothing visible yet
+                return ""
+            self._prefix, self._read = self._read, len(self._tokens)
+            self._text += delta
+            return delta
         prefix_text = self._decode(self._tokens[self._prefix:self._read])
         new_text = self._decode(self._tokens[self._prefix:])
         if len(new_text) <= len(prefix_text) or new_text.endswith(_REPLACEMENT):
@@ -95,3 +112,15 @@ class IncrementalDetokenizer:
         self._prefix, self._read = self._read, len(self._tokens)
         self._text += delta
         return delta
+
+
+def rust_tokenizer(tokenizer: Any) -> Tokenizer | None:
+    """The ``tokenizers.Tokenizer`` whose decode is exactly ``tokenizer.decode``'s, or None
+    (a transformers tokenizer that cleans up tokenization spaces decodes differently)."""
+    if isinstance(tokenizer, Tokenizer):
+        return tokenizer
+    backend = getattr(tokenizer, "backend_tokenizer", None)
+    if isinstance(backend, Tokenizer) and not getattr(tokenizer, "clean_up_tokenization_spaces",
+                                                      False):
+        return backend
+    return None

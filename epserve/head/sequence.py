@@ -24,6 +24,9 @@ class SeqStatus(enum.Enum):
     FINISHED = "finished"
 
 
+_FINISHED = SeqStatus.FINISHED  # a module constant: ``SeqStatus.FINISHED`` costs a class lookup
+
+
 @dataclass(eq=False)
 class Sequence:
     """One of a request's ``n`` samples.
@@ -118,7 +121,7 @@ class Sequence:
 
     @property
     def finished(self) -> bool:
-        return self.status is SeqStatus.FINISHED
+        return self.status is _FINISHED
 
 
 @dataclass(eq=False)
@@ -147,7 +150,10 @@ class Request:
 
     @property
     def finished(self) -> bool:
-        return all(s.finished for s in self.seqs)
+        for s in self.seqs:  # a loop, not all(genexpr): read several times per token
+            if s.status is not _FINISHED:
+                return False
+        return True
 
     @property
     def max_budget(self) -> int:

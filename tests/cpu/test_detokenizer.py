@@ -16,7 +16,7 @@ SENTENCES = [
 
 
 @pytest.fixture(scope="module")
-def tok() -> Tokenizer:
+def bpe() -> Tokenizer:
     t = Tokenizer(models.BPE())
     t.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     t.decoder = decoders.ByteLevel()
@@ -24,6 +24,37 @@ def tok() -> Tokenizer:
                                   initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False)
     t.train_from_iterator(SENTENCES * 3, trainer)
     return t
+
+
+class DecodeOnly:
+    """A tokenizer the detokenizer knows only by its ``decode`` (no Rust backend to stream
+    with): the Python-side window path."""
+
+    def __init__(self, inner):
+        self.inner = inner
+
+    def __getattr__(self, name):
+        if name == "backend_tokenizer":
+            raise AttributeError(name)
+        return getattr(self.inner, name)
+
+
+@pytest.fixture(scope="module", params=["stream", "window"])
+def tok(request, bpe):
+    """The same tokenizer through both paths: ``DecodeStream`` (Rust) and the Python window."""
+    return bpe if request.param == "stream" else DecodeOnly(bpe)
+
+
+def test_the_rust_stream_is_used_when_the_tokenizer_has_one(bpe):
+    from transformers import PreTrainedTokenizerFast
+
+    from epserve.head.detokenizer import rust_tokenizer
+
+    assert rust_tokenizer(bpe) is bpe and rust_tokenizer(DecodeOnly(bpe)) is None
+    hf = PreTrainedTokenizerFast(tokenizer_object=bpe, eos_token="<eos>")
+    assert rust_tokenizer(hf) is hf.backend_tokenizer
+    hf.clean_up_tokenization_spaces = True  # its decode is no longer the backend's
+    assert rust_tokenizer(hf) is None
 
 
 def run(tok, prompt, out_ids, skip=True):
@@ -97,7 +128,7 @@ class CountingTokenizer:
 def _decode_sizes(tok, text):
     ids = tok.encode(text).ids
     counting = CountingTokenizer(tok)
-    d = IncrementalDetokenizer(counting, tok.encode("prompt").ids)
+    d = IncrementalDetokenizer(counting, tok.encode("prompt").ids)  # the window path
     counting.sizes.clear()
     for t in ids:
         d.add(t)
@@ -117,19 +148,20 @@ def test_cost_per_token_is_a_window_not_the_length(tok):
     assert sum(sizes8) <= 8 * n8
 
 
-def test_transformers_tokenizer_is_accepted(tok):
+def test_transformers_tokenizer_is_accepted(bpe):
     from transformers import PreTrainedTokenizerFast
 
-    hf = PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<eos>")
-    ids = tok.encode("naïve 🙂 fox").ids + [tok.token_to_id("<eos>")]
+    hf = PreTrainedTokenizerFast(tokenizer_object=bpe, eos_token="<eos>")
+    ids = bpe.encode("naïve 🙂 fox").ids + [bpe.token_to_id("<eos>")]
     d, _ = run(hf, [], ids)
     assert d.text == hf.decode(ids, skip_special_tokens=True) == "naïve 🙂 fox"
 
 
-def test_metaspace_keeps_the_leading_space_the_prompt_gives():
+@pytest.mark.parametrize("path", ["stream", "window"])
+def test_metaspace_keeps_the_leading_space_the_prompt_gives(path):
     vocab = {"<unk>": 0, "▁The": 1, "▁capital": 2, "▁is": 3, "▁Paris": 4, ".": 5}
     t = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
     t.decoder = decoders.Metaspace()
     assert t.decode([4, 5]) == "Paris."  # a whole decode strips the first space
-    d, deltas = run(t, [1, 2, 3], [4, 5])
+    d, deltas = run(t if path == "stream" else DecodeOnly(t), [1, 2, 3], [4, 5])
     assert deltas[:2] == [" Paris", "."] and d.text == " Paris."  # as vLLM streams it
