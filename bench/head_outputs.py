@@ -4,7 +4,8 @@ Runs the built-in demo model (its real tokenizer) in an ``AsyncEngine`` in this 
 client ``Outbox`` (as an ingress replica has), submits ``--seqs`` requests at once and reads
 their delta records until every one finished. Times, per step: the engine's output processing
 (``Engine._apply``: append each token, detokenize it, check stops and grammars) and the hand-over
-(``AsyncEngine._deliver``: one delta record per request, one wake-up per event loop), next to
+(``AsyncEngine._deliver``: one delta record per request, one wake-up per event loop) and the
+snapshot /metrics reads (``AsyncEngine._publish``), next to
 the whole step (``Engine.advance``) and its forward. On the GPU the forward shrinks and these
 stay: they are what a 256-row decode step costs the head's CPU. Prints a table last.
 
@@ -59,9 +60,11 @@ def run(n: int, input_len: int, output_len: int) -> dict[str, float]:
     engine, runner, _ = build_engine(EngineArgs(model=str(demo_model_path()), device="cpu",
                                                 max_num_batched_tokens=max(8192, n * input_len)))
     ae = AsyncEngine(engine)
-    rec: dict[str, list[float]] = {"apply": [], "deliver": [], "forward": [], "step": []}
+    rec: dict[str, list[float]] = {"apply": [], "deliver": [], "publish": [], "forward": [],
+                                   "step": []}
     _timed(engine, "_apply", rec["apply"])
     _timed(ae, "_deliver", rec["deliver"])
+    _timed(ae, "_publish", rec["publish"])
     _timed(engine, "advance", rec["step"])
     _timed(runner.rank0.runner, "_forward", rec["forward"])
     try:
@@ -81,11 +84,11 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
     r = run(args.seqs, args.input_len, args.output_len)
     print("\n(median ms per decode step; apply: output processing, deliver: the hand-over)")
-    print("| rows | apply | deliver | apply + deliver per row (us) | step | forward |")
-    print("|---:|---:|---:|---:|---:|---:|")
+    print("| rows | apply | deliver | publish | apply + deliver per row (us) | step | forward |")
+    print("|---:|---:|---:|---:|---:|---:|---:|")
     per_row = (r["apply"] + r["deliver"]) / args.seqs * 1e3
-    print(f"| {args.seqs} | {r['apply']:.2f} | {r['deliver']:.2f} | {per_row:.1f} | "
-          f"{r['step']:.1f} | {r['forward']:.1f} |")
+    print(f"| {args.seqs} | {r['apply']:.2f} | {r['deliver']:.2f} | {r['publish']:.3f} | "
+          f"{per_row:.1f} | {r['step']:.1f} | {r['forward']:.1f} |")
     return 0
 
 
