@@ -90,14 +90,16 @@ class StopChecker:
         when ``include_stop_str_in_output``. Costs O(delta_len) when ``full_text`` extends
         the text of the previous check.
         ``num_generated`` (output tokens so far), when given, gates stop strings by
-        ``min_tokens`` too, as vLLM does: one completed earlier does not stop later."""
+        ``min_tokens`` too, as vLLM does: they count once there are more than ``min_tokens``
+        tokens (the text of the first ``min_tokens`` is never cut), and one completed earlier
+        does not stop later."""
         if not self.stop or delta_len <= 0:
             return None
         end = len(full_text)
         start = max(0, end - delta_len)
         # Read the delta even under min_tokens: the state must follow the text, and a stop
         # completed then is simply not reported (so it does not stop a later check either).
-        gated = num_generated is not None and num_generated < self.min_tokens
+        gated = num_generated is not None and num_generated <= self.min_tokens
         # The stop that ends first wins (ties: the longer one); that is what a check after
         # every single character would find, so the result does not depend on delta sizes.
         state, found = self.automaton.step(self._state_at(full_text, start), full_text,

@@ -327,6 +327,18 @@ def test_demo_stop_string_cuts_text(demo):
     assert (never.text, never.finish_reason) == (text, "length")
 
 
+@pytest.mark.parametrize("min_tokens", [0, 1, 3])
+def test_demo_min_tokens_protects_the_first_tokens_from_stop_strings(demo, min_tokens):
+    """vLLM's rule: stop strings count once there are more than min_tokens tokens, so the
+    text of the first min_tokens tokens is never cut (a logit bias makes every token '#')."""
+    hash_id = demo.get_tokenizer().convert_tokens_to_ids("#")
+    c = demo.generate("x", _greedy(max_tokens=6, min_tokens=min_tokens, stop=["#"],
+                                   logit_bias={hash_id: 100.0}))[0].outputs[0]
+    assert c.text == "#" * min_tokens
+    assert len(c.token_ids) == min_tokens + 1 and set(c.token_ids) == {hash_id}
+    assert (c.finish_reason, c.stop_reason) == ("stop", "#")
+
+
 def test_demo_chat_prompt_is_the_rendered_template(demo):
     tok = demo.get_tokenizer()
     conv = [{"role": "user", "content": "hi"}]

@@ -89,10 +89,12 @@ def test_search_is_limited_to_the_tail():
 
 
 def test_stop_strings_gated_by_min_tokens_when_told():
+    # vLLM's rule: stop strings count once there are more than min_tokens tokens
     c = make(stop=["x"], min_tokens=3)
-    assert c.check_text("ax", 1, num_generated=2) is None
-    assert c.check_text("ax", 1, num_generated=3) == 1
-    assert c.check_text("ax", 1) == 1
+    assert c.check_text("ax", 1, num_generated=3) is None
+    assert c.check_text("axx", 1, num_generated=4) == 2
+    assert make(stop=["x"], min_tokens=3).check_text("ax", 1) == 1
+    assert make(stop=["x"], min_tokens=1).check_text("x", 1, num_generated=1) is None
 
 
 def test_safe_stream_len():
@@ -144,14 +146,14 @@ def test_delta_sizes_do_not_change_the_cut(text, stops, cuts, include):
 
 def _first_stop_by_char(text, token_ends, stops, min_tokens, include):
     """The spec, checked after every single character: the first position where a stop ends
-    (the longest of those ending there), counting only characters of tokens n >= min_tokens."""
+    (the longest of those ending there), counting only characters of tokens n > min_tokens."""
     n_at = []  # output tokens existing when each character appeared
     prev = 0
     for n, end in enumerate(token_ends, start=1):
         n_at += [n] * (end - prev)
         prev = end
     for p in range(1, len(text) + 1):
-        if n_at[p - 1] < min_tokens:
+        if n_at[p - 1] <= min_tokens:
             continue
         ending = [s for s in stops if text[:p].endswith(s)]
         if ending:
