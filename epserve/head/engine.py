@@ -140,18 +140,33 @@ class Engine:
             seq = Sequence(req, i, seed, stops, detok, think_tags=self.cfg.think_tags)
             if compiled is not None:
                 seq.grammar = self.grammars.matcher(compiled)
-                # vLLM's: the grammar holds once the reasoning ended (maybe in the prompt)
-                seq.grammar_waits = (seq.think_tags is not None and not so.enable_in_reasoning
-                                     and not seq.think_tags.ended(ids))
+                self._gate_grammar(seq, so.enable_in_reasoning, ids)
                 if not seq.grammar.fill(seq.banned_now()):
                     raise ValueError(f"SamplingParams.structured_outputs.{so.kind}: no token of "
                                      f"this model's vocabulary can start the output")
+                if seq.think_may_open:
+                    seq.grammar.allow(seq.think_tags.start)
             req.seqs.append(seq)
         self.requests[request_id] = req
         for seq in req.seqs:
             self.scheduler.add(seq)
         self.stats.prompt_tokens += len(ids)
         return req
+
+    @staticmethod
+    def _gate_grammar(seq: Sequence, in_reasoning: bool, prompt_ids: list[int]) -> None:
+        """A reasoning model's constraint holds once the reasoning ended (vLLM's rule): at
+        once when the prompt closed it (or ``in_reasoning``), after ``</think>`` when the
+        prompt opened it, and when the prompt has no tag (a completions prompt, a template
+        that leaves thinking to the model) the first token decides: ``<think>`` opens the
+        reasoning, any other must be the constraint's (vLLM waits for a ``</think>`` that may
+        never come there: vllm#57726)."""
+        tags = seq.think_tags
+        if tags is None or in_reasoning:
+            return
+        last = tags.last_tag(prompt_ids)
+        seq.grammar_waits = last == tags.start
+        seq.think_may_open = last is None
 
     def check_request(self, prompt_ids: Seq[int], params: SamplingParams) -> list[int]:
         """The prompt as a list when this engine can serve the request, else ``ValueError``
@@ -299,6 +314,10 @@ class Engine:
         if seq.finished:
             return
         g = None if seq.grammar_waits else seq.grammar
+        if seq.think_may_open:  # the first token: it opened the reasoning, or it is the output's
+            seq.think_may_open = False
+            if tok.token_id == seq.think_tags.start:
+                seq.grammar_waits, g = True, None
         if g is not None and not g.accept(tok.token_id):  # the mask allowed it: never expected
             self._fail_seq(seq, f"structured output: the grammar refused token {tok.token_id}",
                            touched)

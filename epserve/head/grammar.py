@@ -55,6 +55,11 @@ class SeqGrammar:
                 bits[t >> 5] &= np.uint32(0xFFFFFFFF ^ (1 << (t & 31)))
         return bool(bits.any())
 
+    def allow(self, token_id: int) -> None:
+        """Add ``token_id`` to the mask filled last (for one token: the next fill replaces
+        it)."""
+        self.mask.view(np.uint32)[token_id >> 5] |= np.uint32(1 << (token_id & 31))
+
 
 class GrammarBook:
     """Compiles constraints for one engine's tokenizer and vocabulary."""

@@ -49,12 +49,10 @@ class ThinkTags:
     def ids(self) -> tuple[int, int]:
         return (self.start, self.end) if self.start < self.end else (self.end, self.start)
 
-    def ended(self, ids: Sequence[int]) -> bool:
-        """Whether the reasoning has ended after ``ids``: the last tag among them is
-        ``</think>`` (vLLM's ``is_reasoning_end``; no tag at all: not ended)."""
+    def last_tag(self, ids: Sequence[int]) -> int | None:
+        """The last thinking tag among ``ids`` (``start`` or ``end``), None without one: the
+        reasoning has ended after ``ids`` when it is ``end`` (vLLM's ``is_reasoning_end``)."""
         for t in reversed(ids):
-            if t == self.start:
-                return False
-            if t == self.end:
-                return True
-        return False
+            if t == self.start or t == self.end:
+                return t
+        return None

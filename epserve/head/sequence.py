@@ -33,8 +33,10 @@ class Sequence:
 
     Set by the engine at creation: ``request``, ``index``, ``seed``, ``stops``, ``detok``,
     ``grammar`` (a structured output's matcher, advanced by the engine per token),
-    ``think_tags`` and ``grammar_waits`` (a reasoning model's; the engine clears
-    ``grammar_waits`` and sets ``thinking_closed`` when the row generates ``</think>``).
+    ``think_tags``, ``grammar_waits`` and ``think_may_open`` (a reasoning model's; the engine
+    clears ``grammar_waits`` and sets ``thinking_closed`` when the row generates ``</think>``,
+    and after the first token clears ``think_may_open``, setting ``grammar_waits`` when that
+    token opened the reasoning).
     Set by the scheduler: ``status``, ``state``, ``admitted_at``, ``draft_state`` (its
     proposer's history of this sequence). Set by the engine per step:
     ``output_ids``, ``sampled``, ``finish_reason``, ``stop_reason``. Set by
@@ -68,6 +70,9 @@ class Sequence:
     think_tags: Any = None  # head.reasoning.ThinkTags
     thinking_closed: bool = False
     grammar_waits: bool = False
+    # the prompt has no thinking tag: the first token may open the reasoning (``<think>`` is
+    # allowed beside the grammar's tokens) or start the constrained output
+    think_may_open: bool = False
     _resample: bool = False  # the row's bans changed outside min_tokens: ship them
 
     @property
@@ -115,8 +120,8 @@ class Sequence:
             state.sampling = self.row_sampling()
         self._resample = False
         state.output_index = n
-        if self.grammar is not None and not self.grammar_waits:
-            state.token_mask = self.grammar.mask  # refilled in place after each token
+        if self.grammar is not None:  # refilled in place after each token; none while waiting
+            state.token_mask = None if self.grammar_waits else self.grammar.mask
         state.lookahead = n + 1 < self.request.max_tokens  # else the next one is the last
 
     @property
