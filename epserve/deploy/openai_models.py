@@ -17,8 +17,9 @@ import json
 import re
 from typing import Any, Literal, Union
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
+from epserve.deploy.chat_content import check_content
 from epserve.deploy.errors import bad_request, from_value_error
 from epserve.deploy.structured_output import ResponseFormat, StructuredOutputs, structured_fields
 from epserve.head.limits import RequestLimits
@@ -142,9 +143,11 @@ class CompletionRequest(_SamplingRequest):
 
 
 class ContentPart(BaseModel):
+    """A text part (``chat_content``: any other part is refused before it gets here)."""
+
     model_config = _STRICT
-    type: str
-    text: str | None = None
+    type: Literal["text"]
+    text: str
 
 
 class FunctionCall(BaseModel):
@@ -182,18 +185,15 @@ class ChatMessage(BaseModel):
     function_call: None = None
     annotations: list[None] | None = Field(None, max_length=0)
 
+    # what is wrong with a content (an image part, a missing text), not pydantic's union noise
+    content_check = field_validator("content", mode="before")(check_content)
+
     def to_template(self, where: str = "messages") -> dict[str, Any]:
         """The message as a chat template reads it: text parts joined into one string, tool
         call arguments as the JSON value (Qwen's and Llama's templates ``tojson`` them)."""
         content = self.content
-        if isinstance(content, list):
-            texts = []
-            for part in content:
-                if part.type != "text" or part.text is None:
-                    raise bad_request(f"content parts of type {part.type!r} are not supported; "
-                                      f"only text parts", param="messages")
-                texts.append(part.text)
-            content = "\n".join(texts)
+        if isinstance(content, list):  # text parts only (chat_content)
+            content = "\n".join(part.text for part in content)
         msg: dict[str, Any] = {"role": self.role, "content": content or ""}
         if self.name is not None:
             msg["name"] = self.name

@@ -1,0 +1,56 @@
+"""What a vLLM user sees at the edges a black-box probe found (raw HTTP, as a client without
+the openai SDK's help sees it): content parts the server does not serve refused saying so,
+``truncate_prompt_tokens`` over the context refused in vLLM's words, ``"max_tokens": null`` on
+/v1/completions running to the context length, and streamed tool calls with one entry per
+``index`` in a chunk. Uses the session's demo and scripted servers (conftest), starts none."""
+
+from __future__ import annotations
+
+import pytest
+import requests
+
+IMAGE = {"type": "image_url", "image_url": {"url": "data:image/png;base64,AAAA"}}
+AUDIO = {"type": "input_audio", "input_audio": {"data": "AAAA", "format": "wav"}}
+NOT_SERVED = "are not supported by this server (no vision or audio input); only 'text' parts"
+
+
+def _post(server, path: str, body: dict, **kw) -> requests.Response:
+    return requests.post(f"{server.base}{path}", headers=server.auth,
+                         json={"model": server.model, **body}, timeout=120, **kw)
+
+
+def _error(r: requests.Response) -> dict:
+    assert r.status_code == 400, (r.status_code, r.text)
+    return r.json()["error"]
+
+
+# ---------------------------------------------------------------- chat content parts
+
+
+@pytest.mark.parametrize("content, said", [
+    ([{"type": "text", "text": "hi"}, IMAGE], f"content parts of type 'image_url' {NOT_SERVED}"),
+    ([AUDIO], f"content parts of type 'input_audio' {NOT_SERVED}"),
+    ([{"type": "video_url", "video_url": {"url": "x"}}], "type 'video_url' are not supported"),
+    ([{"type": "text"}], "part 0 of type 'text' is missing its 'text' field"),
+    ([{"type": "text", "text": "a"}, {"text": "b"}], "part 1 has no 'type'"),
+    ([{"type": "text", "text": 5}], "part 0: 'text' must be a string, not a number"),
+    (["hi"], "part 0 must be a content part (an object with a 'type'), not a string"),
+    (5, "must be a string, a list of content parts or null, not a number"),
+    ({"type": "text", "text": "hi"}, "must be a string, a list of content parts or null, "
+                                     "not an object"),
+])
+def test_content_the_server_does_not_serve_is_a_400_saying_what(server, content, said):
+    messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": content}]
+    for path in ("/v1/chat/completions", "/tokenize"):
+        err = _error(_post(server, path, {"messages": messages, "max_tokens": 2}
+                           if path != "/tokenize" else {"messages": messages}))
+        assert err["message"].startswith("messages.1.content: ") and said in err["message"], err
+        assert err["param"] == "messages" and err["type"] == "invalid_request_error", err
+        assert "Input should be" not in err["message"]  # no pydantic union noise
+
+
+def test_text_parts_are_served_joined(server):
+    parts = [{"type": "text", "text": "Hello"}, {"type": "text", "text": "there"}]
+    whole = _post(server, "/tokenize", {"messages": [{"role": "user", "content": "Hello\nthere"}]})
+    split = _post(server, "/tokenize", {"messages": [{"role": "user", "content": parts}]})
+    assert split.status_code == 200 and split.json()["tokens"] == whole.json()["tokens"]
