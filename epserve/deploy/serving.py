@@ -116,7 +116,12 @@ class OpenAIServing:
         a shortened prompt's text is its ids' text."""
         if keep is None:
             return p
-        keep = self.info.max_model_len if keep == -1 else keep
+        limit = self.info.max_model_len
+        if keep > limit:  # vLLM's refusal, word for word
+            raise bad_request(f"truncate_prompt_tokens value ({keep}) is greater than "
+                              f"max_model_len ({limit}). Please, select a smaller truncation "
+                              f"size.", param="truncate_prompt_tokens")
+        keep = limit if keep == -1 else keep
         return p if len(p.ids) <= keep else Prompt(None, p.ids[-keep:])
 
     async def render_chat(self, req: ChatCompletionRequest | TokenizeRequest,

@@ -12,6 +12,7 @@ import requests
 IMAGE = {"type": "image_url", "image_url": {"url": "data:image/png;base64,AAAA"}}
 AUDIO = {"type": "input_audio", "input_audio": {"data": "AAAA", "format": "wav"}}
 NOT_SERVED = "are not supported by this server (no vision or audio input); only 'text' parts"
+ASK = [{"role": "user", "content": "What is the weather in Paris?"}]
 
 
 def _post(server, path: str, body: dict, **kw) -> requests.Response:
@@ -22,6 +23,11 @@ def _post(server, path: str, body: dict, **kw) -> requests.Response:
 def _error(r: requests.Response) -> dict:
     assert r.status_code == 400, (r.status_code, r.text)
     return r.json()["error"]
+
+
+def _max_model_len(server) -> int:
+    r = requests.get(f"{server.v1}/models", headers=server.auth, timeout=30)
+    return r.json()["data"][0]["max_model_len"]
 
 
 # ---------------------------------------------------------------- chat content parts
@@ -54,3 +60,19 @@ def test_text_parts_are_served_joined(server):
     whole = _post(server, "/tokenize", {"messages": [{"role": "user", "content": "Hello\nthere"}]})
     split = _post(server, "/tokenize", {"messages": [{"role": "user", "content": parts}]})
     assert split.status_code == 200 and split.json()["tokens"] == whole.json()["tokens"]
+
+
+# ---------------------------------------------------------------- truncate_prompt_tokens
+
+
+def test_truncate_prompt_tokens_over_max_model_len_is_refused_in_vllms_words(server):
+    limit = _max_model_len(server)
+    want = (f"truncate_prompt_tokens value ({limit + 1}) is greater than max_model_len "
+            f"({limit}). Please, select a smaller truncation size.")
+    for path, body in (("/v1/completions", {"prompt": "a b c"}),
+                       ("/v1/chat/completions", {"messages": ASK})):
+        err = _error(_post(server, path, {**body, "max_tokens": 2,
+                                          "truncate_prompt_tokens": limit + 1}))
+        assert err["message"] == want and err["param"] == "truncate_prompt_tokens", err
+        ok = _post(server, path, {**body, "max_tokens": 2, "truncate_prompt_tokens": limit})
+        assert ok.status_code == 200, ok.text  # the context length itself is allowed
