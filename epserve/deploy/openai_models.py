@@ -29,6 +29,7 @@ from epserve.head.sampling_params import SamplingParams
 #: several prompts (prompts x n), int32/int64.
 MAX_PROMPTS = 256
 MAX_CHOICES = 1024
+COMPLETIONS_DEFAULT_MAX_TOKENS = 16  # vLLM's, when a completion request leaves the field out
 INT32 = 2**31 - 1
 # vLLM's coercions (lax), no NaN or infinity; an unknown field is a 400 naming it.
 _STRICT = ConfigDict(extra="forbid", allow_inf_nan=False)
@@ -140,6 +141,13 @@ class CompletionRequest(_SamplingRequest):
             raise bad_request("suffix is not supported by this server", param="suffix")
         if self.best_of is not None and self.best_of != self.n:
             raise bad_request("best_of other than n is not supported", param="best_of")
+
+    def wanted_max_tokens(self) -> int | None:
+        """vLLM's: 16 when the field is left out; an explicit null (None) runs to the context
+        length (max_model_len less the prompt)."""
+        if self.max_tokens is None and "max_tokens" not in self.model_fields_set:
+            return COMPLETIONS_DEFAULT_MAX_TOKENS
+        return self.max_tokens
 
 
 class ContentPart(BaseModel):

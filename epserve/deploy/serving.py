@@ -35,7 +35,6 @@ log = logging.getLogger(__name__)
 
 #: Texts longer than this are tokenized on a worker thread, off the event loop.
 _THREAD_TOKENIZE_CHARS = 8192
-COMPLETIONS_DEFAULT_MAX_TOKENS = 16
 
 
 @dataclass(frozen=True)
@@ -156,8 +155,7 @@ class OpenAIServing:
                 self._check_ids(p, "prompt")
                 prompts.append(Prompt(None, list(p)))
         prompts = [self._truncate(p, req.truncate_prompt_tokens) for p in prompts]
-        max_tokens = req.max_tokens if req.max_tokens is not None \
-            else COMPLETIONS_DEFAULT_MAX_TOKENS
+        max_tokens = req.wanted_max_tokens()  # None (an explicit null): to the context length
         for p in prompts:
             self._check_context(len(p.ids), max_tokens, "prompt")
         prompt_lp = req.prompt_logprobs

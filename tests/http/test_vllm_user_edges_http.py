@@ -76,3 +76,29 @@ def test_truncate_prompt_tokens_over_max_model_len_is_refused_in_vllms_words(ser
         assert err["message"] == want and err["param"] == "truncate_prompt_tokens", err
         ok = _post(server, path, {**body, "max_tokens": 2, "truncate_prompt_tokens": limit})
         assert ok.status_code == 200, ok.text  # the context length itself is allowed
+
+
+# ---------------------------------------------------------------- max_tokens null
+
+
+def test_completions_max_tokens_null_runs_to_the_context_length(server):
+    limit = _max_model_len(server)
+    base = {"temperature": 0, "ignore_eos": True}
+    # one long prompt for both routes (the second reads the first's cached prefix): a chat
+    # conversation's last limit - 3 tokens, as truncate_prompt_tokens keeps them
+    chat_body = {"messages": [{"role": "user", "content": "a " * (limit + 50)}],
+                 "truncate_prompt_tokens": limit - 3}
+    ids = _post(server, "/tokenize", {"messages": chat_body["messages"]}).json()["tokens"]
+    prompt = ids[-(limit - 3):]
+    out = _post(server, "/v1/completions", {**base, "prompt": prompt, "max_tokens": None})
+    assert out.status_code == 200, out.text
+    body = out.json()
+    assert body["usage"]["completion_tokens"] == 3, body["usage"]  # max_model_len - prompt
+    assert body["choices"][0]["finish_reason"] == "length"
+    left_out = _post(server, "/v1/completions", {**base, "prompt": prompt[:8]}).json()
+    assert left_out["usage"]["completion_tokens"] == 16  # the field's default, as vLLM's
+    # chat has no such default: left out (as null), it runs to the context length too
+    chat = _post(server, "/v1/chat/completions", {**base, **chat_body})
+    assert chat.status_code == 200, chat.text
+    usage = chat.json()["usage"]
+    assert (usage["prompt_tokens"], usage["completion_tokens"]) == (limit - 3, 3), usage
