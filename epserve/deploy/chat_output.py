@@ -109,8 +109,23 @@ class Piece:
         if self.content:
             d["content"] = self.content
         if self.calls:
-            d["tool_calls"] = self.calls
+            d["tool_calls"] = merged_calls(self.calls)
         return d
+
+
+def merged_calls(deltas: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """One chunk's tool-call deltas with one entry per ``index`` (as OpenAI and vLLM send
+    them): a call's opening entry (id, type, name) and its argument pieces become one entry
+    whose ``arguments`` are the pieces joined, in order of first appearance."""
+    by_index: dict[int, dict[str, Any]] = {}
+    for d in deltas:
+        seen = by_index.get(d["index"])
+        if seen is None:
+            by_index[d["index"]] = {**d, "function": dict(d["function"])}
+        else:
+            fn = seen["function"]
+            fn["arguments"] = fn.get("arguments", "") + d["function"].get("arguments", "")
+    return list(by_index.values())
 
 
 class ChoiceParser:
@@ -198,4 +213,4 @@ def choice_parser(parsing: ChatParsing, plan: ToolPlan, in_reasoning: bool,
 
 
 __all__ = ["AUTO_NEEDS_FLAGS", "ChatParsing", "ChoiceParser", "Piece", "ToolPlan",
-           "choice_parser", "reply_starts_thinking", "tool_plan"]
+           "choice_parser", "merged_calls", "reply_starts_thinking", "tool_plan"]

@@ -6,12 +6,23 @@ the openai SDK's help sees it): content parts the server does not serve refused 
 
 from __future__ import annotations
 
+import json
+
 import pytest
 import requests
+from scripted_model import WEATHER_ARGS
 
 IMAGE = {"type": "image_url", "image_url": {"url": "data:image/png;base64,AAAA"}}
 AUDIO = {"type": "input_audio", "input_audio": {"data": "AAAA", "format": "wav"}}
 NOT_SERVED = "are not supported by this server (no vision or audio input); only 'text' parts"
+TOOLS = [
+    {"type": "function", "function": {
+        "name": "get_weather", "parameters": {"type": "object", "properties": {
+            "city": {"type": "string"}, "unit": {"type": "string"}}, "required": ["city"]}}},
+    {"type": "function", "function": {
+        "name": "get_time", "parameters": {"type": "object", "properties": {
+            "zone": {"type": "string"}}}}},
+]
 ASK = [{"role": "user", "content": "What is the weather in Paris?"}]
 
 
@@ -102,3 +113,51 @@ def test_completions_max_tokens_null_runs_to_the_context_length(server):
     assert chat.status_code == 200, chat.text
     usage = chat.json()["usage"]
     assert (usage["prompt_tokens"], usage["completion_tokens"]) == (limit - 3, 3), usage
+
+
+# ---------------------------------------------------------------- streamed tool calls
+
+
+def _raw_chunks(server, body: dict) -> list[dict]:
+    with _post(server, "/v1/chat/completions", {**body, "stream": True}, stream=True) as r:
+        assert r.status_code == 200, r.text
+        lines = [line for line in r.iter_lines() if line.startswith(b"data: ")]
+    assert lines[-1] == b"data: [DONE]"
+    return [json.loads(line[6:]) for line in lines[:-1]]
+
+
+@pytest.mark.parametrize("trigger, extra, names", [
+    (None, {}, ["get_weather"]),                                 # after thinking
+    ("[[two]]", {}, ["get_weather", "get_time"]),                # tags split over tokens
+    ("[[two]]", {"parallel_tool_calls": False}, ["get_weather"]),
+    (None, {"tool_choice": "required"}, None),                   # forced, structured output
+    (None, {"tool_choice": {"type": "function", "function": {"name": "get_time"}}},
+     ["get_time"]),
+])
+def test_a_streamed_chunk_has_one_tool_call_entry_per_index(scripted_server, trigger, extra,
+                                                            names):
+    body = {"messages": ASK, "tools": TOOLS, "max_tokens": 64, **extra}
+    if trigger is not None:
+        body.update(messages=ASK + [{"role": "assistant", "content": trigger}],
+                    add_generation_prompt=False, continue_final_message=True)
+    calls: dict[int, list] = {}
+    for chunk in _raw_chunks(scripted_server, body):
+        for choice in chunk["choices"]:
+            entries = choice["delta"].get("tool_calls") or []
+            indices = [e["index"] for e in entries]
+            assert len(indices) == len(set(indices)), entries  # as OpenAI and vLLM send them
+            for e in entries:
+                if e["index"] not in calls:  # a call opens with its id, type and name
+                    assert e["id"].startswith("chatcmpl-tool-") and e["type"] == "function", e
+                    calls[e["index"]] = [e["function"]["name"], ""]
+                else:
+                    assert "id" not in e and "name" not in e["function"], e
+                calls[e["index"]][1] += e["function"].get("arguments") or ""
+    got = [calls[i] for i in sorted(calls)]
+    assert got, calls
+    if "tool_choice" not in extra:  # a forced call's grammar may be cut by max_tokens
+        assert all(isinstance(json.loads(args), dict) for _, args in got), got
+    if names is not None:
+        assert [name for name, _ in got] == names, got
+    if trigger is None and not extra:
+        assert got == [["get_weather", WEATHER_ARGS]]
