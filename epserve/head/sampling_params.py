@@ -15,7 +15,9 @@ from typing import Any, Sequence
 
 from epserve.head.structured_params import StructuredOutputsParams, as_structured
 # MAX_LOGPROBS: re-exported (the default bound of the engine's max_logprobs)
-from epserve.models.sampling_rules import MAX_LOGIT_BIAS, MAX_LOGPROBS, value_problem  # noqa: F401
+from epserve.models.sampling_rules import (  # noqa: F401
+    MAX_LOGIT_BIAS, MAX_LOGPROBS, penalty_problem, value_problem,
+)
 from epserve.models.traits import RowSampling
 
 #: The largest ``top_k`` that travels; a larger one keeps every token all the same.
@@ -114,7 +116,10 @@ class SamplingParams:
     (``StructuredOutputsParams``, or its fields as a dict); it ends with finish reason "stop"
     when the grammar is complete. ``logit_bias``: ``{token id: bias}`` added to the logits
     before sampling (the logprobs stay raw), each bias clamped to [-100, 100]; an id outside
-    the model's vocabulary is refused by the engine.
+    the model's vocabulary is refused by the engine. ``presence_penalty`` /
+    ``frequency_penalty`` ([-2, 2]) and ``repetition_penalty`` (> 0) are vLLM's (see
+    ``RowSampling``); a penalized request drafts no speculative tokens and reads no cached
+    prefix (its rank needs the whole prompt).
     """
 
     n: int = 1
@@ -134,6 +139,9 @@ class SamplingParams:
     include_stop_str_in_output: bool = False
     structured_outputs: StructuredOutputsParams | None = None
     logit_bias: dict[int, float] | None = None
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
 
     def __post_init__(self) -> None:
         _check_int("n", self.n, 1)
@@ -149,6 +157,8 @@ class SamplingParams:
         # checked here too, so nothing a rank would refuse gets past the edge.
         found = value_problem(self.temperature, self.top_p, max(self.top_k, 0), self.min_p, 0,
                               self.logprobs if _is_int(self.logprobs) else None, None)
+        found = found or penalty_problem(self.presence_penalty, self.frequency_penalty,
+                                         self.repetition_penalty)
         if found is not None:
             raise ValueError(f"SamplingParams.{found[0]} {found[1]}")
         _check_int("max_tokens", self.max_tokens, 1, optional=True)
@@ -185,4 +195,7 @@ class SamplingParams:
             banned_token_ids=tuple(banned),
             logprobs=self.logprobs,
             logit_bias=tuple(self.logit_bias.items()) if self.logit_bias else (),
+            presence_penalty=float(self.presence_penalty),
+            frequency_penalty=float(self.frequency_penalty),
+            repetition_penalty=float(self.repetition_penalty),
         )

@@ -22,6 +22,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from epserve.head.sequence import Sequence, SeqStatus
+from epserve.models.sampling_rules import penalized
 from epserve.models.traits import Model, PrefillSlice
 
 
@@ -173,8 +174,8 @@ class Scheduler:
                 self.max_model_len - seq.num_tokens)
         if n < req.params.min_tokens:
             k = min(k, req.params.min_tokens - n - 1)
-        if seq.grammar is not None:
-            k = 0
+        if seq.grammar is not None or penalized(seq.state.sampling):  # one position's mask /
+            k = 0  # the penalties of one position's history
         plan.draft_caps.append(max(k, 0))
         return max(k, 0)
 

@@ -12,7 +12,10 @@ many.
 from __future__ import annotations
 
 import math
-from typing import Sequence
+from typing import TYPE_CHECKING, Sequence
+
+if TYPE_CHECKING:
+    from epserve.models.traits import RowSampling
 
 #: Most alternatives a request may ask for per token by default (vLLM's ``--max-logprobs``
 #: default); an engine may be configured for more (``max_logprobs``, -1: the vocabulary).
@@ -33,6 +36,22 @@ def resolve_max_logprobs(option: int, vocab_size: int) -> int:
 
 def _finite(v: float) -> bool:
     return isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
+
+
+def penalized(s: "RowSampling") -> bool:
+    """Whether a row's sampling applies any of the three penalties."""
+    return bool(s.presence_penalty or s.frequency_penalty or s.repetition_penalty != 1.0)
+
+
+def penalty_problem(presence: float, frequency: float,
+                    repetition: float) -> tuple[str, str] | None:
+    """``(field, what is wrong)`` for the first penalty out of vLLM's ranges, or None."""
+    for name, v in (("presence_penalty", presence), ("frequency_penalty", frequency)):
+        if not (_finite(v) and -2 <= v <= 2):
+            return name, f"must be a finite number in [-2, 2], got {v!r}"
+    if not (_finite(repetition) and repetition > 0):
+        return "repetition_penalty", f"must be a finite number > 0, got {repetition!r}"
+    return None
 
 
 def value_problem(temperature: float, top_p: float, top_k: int, min_p: float, seed: int,
@@ -91,13 +110,16 @@ def logit_bias_problem(pairs: Sequence[tuple[int, float]], vocab_size: int) -> s
 def row_sampling_problem(temperature: float, top_p: float, top_k: int, min_p: float, seed: int,
                          logprobs: int | None, banned: Sequence[int], vocab_size: int,
                          logit_bias: Sequence[tuple[int, float]] = (),
-                         max_logprobs: int = MAX_LOGPROBS) -> tuple[str, str] | None:
+                         max_logprobs: int = MAX_LOGPROBS,
+                         penalties: tuple[float, float, float] = (0.0, 0.0, 1.0),
+                         ) -> tuple[str, str] | None:
     """``(field, what is wrong)`` for a row's sampling, or None when every rank accepts it.
 
     ``banned``: the ids the row may not sample now (stop ids and EOS under ``min_tokens``,
     the thinking tags once its thinking closed), which must be vocabulary ids;
     ``max_logprobs``: the engine's bound on ``logprobs``."""
-    found = value_problem(temperature, top_p, top_k, min_p, seed, logprobs, max_logprobs)
+    found = (value_problem(temperature, top_p, top_k, min_p, seed, logprobs, max_logprobs)
+             or penalty_problem(*penalties))
     if found is not None:
         return found
     bad = token_ids_problem(banned, vocab_size)

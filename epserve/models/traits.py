@@ -51,11 +51,8 @@ from epserve.models.logprobs import (  # noqa: E402  (re-exported: seed names)
 
 
 class FeedSource(Enum):
-    """Where a fed decode row's input token comes from.
-
-    ``HOST``: a token the host knows (carried next to it). ``DEVICE``: the token this rank
-    sampled for the row in the previous step, still on the device.
-    """
+    """Where a fed decode row's input token comes from: ``HOST``, a token the host knows
+    (carried next to it); ``DEVICE``, the one this rank sampled for the row last step."""
 
     HOST = "host"
     DEVICE = "device"
@@ -82,6 +79,9 @@ class RowSampling:
     ``logprobs``: top-k alternatives to return with each sampled token; ``None`` returns none.
     ``logit_bias``: (token id, bias) pairs, ids rising, each bias in [-100, 100], added to the
     row's logits before it samples (greedy too); its logprobs stay those of the raw logits.
+    Penalties (vLLM's, after the bias; 0, 0, 1: off): ``repetition_penalty`` divides positive and
+    multiplies negative logits of prompt and output tokens; then ``frequency_penalty`` x count
+    and ``presence_penalty`` are subtracted from each output token's.
     """
 
     temperature: float = 1.0
@@ -92,6 +92,9 @@ class RowSampling:
     banned_token_ids: tuple[int, ...] = ()
     logprobs: int | None = None
     logit_bias: tuple[tuple[int, float], ...] = ()
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
 
 
 @dataclass(frozen=True, slots=True)
@@ -107,9 +110,8 @@ class SampledToken:
 
 @dataclass(slots=True)
 class ChunkedPrefillPageMetadata:
-    """Per-sequence copies of the paged-attention metadata kept across prefill chunks:
-    ``block_capacity`` block-table entries sized for the whole prompt, ``uploaded_blocks`` of
-    them already copied to the device."""
+    """Per-sequence copies of the paged-attention metadata kept across prefill chunks: block
+    table entries sized for the whole prompt, and how many are already on the device."""
 
     block_capacity: int = 0
     uploaded_blocks: int = 0
@@ -170,11 +172,9 @@ class SequenceState:
 
 @dataclass(slots=True)
 class PrefillSlice:
-    """One prefilling stream's chunk: ``prompt_tokens[chunk_start : chunk_start + chunk_len]``.
-
-    ``prompt_tokens`` is the full prompt (after a preemption: prompt plus tokens generated so
-    far). Only ``is_last_chunk`` produces a sampled token.
-    """
+    """One prefilling stream's chunk: ``prompt_tokens[chunk_start : chunk_start + chunk_len]``
+    of the full prompt (after a preemption: prompt plus tokens generated so far); only
+    ``is_last_chunk`` produces a sampled token."""
 
     prompt_tokens: Sequence[int]
     seq: SequenceState

@@ -11,7 +11,7 @@ only from a command's block updates, and a step gathers its rows.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Sequence
+from typing import Any, Sequence
 
 import numpy as np
 import torch
@@ -52,7 +52,8 @@ class RankRows:
     ``mask_rows`` / ``mask_words``: the constrained sampled rows (indices into ``sampling``,
     [M] int64) and their token masks ([M, ceil(V / 32)] int32), None when no row has one;
     ``recurrent``: the model keeps recurrent state, so each verify row is one sequence of the
-    step's layout (see ``VerifyRun``), the same tokens in the same order.
+    step's layout (see ``VerifyRun``), the same tokens in the same order; ``penalties``: the
+    penalized sampled rows' ``worker.penalties.PenaltyTable``, None when no row has one.
     """
 
     decode_slots: np.ndarray
@@ -66,6 +67,7 @@ class RankRows:
     mask_words: np.ndarray | None = None
     verify: Sequence[VerifyRun] = ()
     recurrent: bool = False
+    penalties: Any = None
 
     @property
     def num_decode(self) -> int:

@@ -17,7 +17,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from epserve.models.sampling_rules import MAX_LOGPROBS, row_sampling_problem
+from epserve.models.sampling_rules import MAX_LOGPROBS, penalized, row_sampling_problem
 from epserve.models.traits import EpCommandFailed, RowSampling
 from epserve.worker.step_command import (
     FEED_DEVICE, KIND_DECODE_AHEAD, KIND_SHUTDOWN, KIND_STEP, MAX_DRAFT_TOKENS, NewSeq,
@@ -137,6 +137,9 @@ class EpMirror:
         if self.recurrent and n.seq_len:
             fail(f"new sequence {key} with KV for {n.seq_len} tokens: this model keeps "
                  f"recurrent state, which starts from the sequence's first token", key)
+        if n.seq_len and penalized(n.sampling):
+            fail(f"new sequence {key} with KV for {n.seq_len} tokens and sampling penalties: "
+                 f"its rank needs every prompt token", key)
         if n.seq_len < 0 or n.prompt_len < 1:
             fail(f"new sequence {key}: seq_len {n.seq_len}, prompt_len {n.prompt_len}", key)
         if not -1 <= n.prompt_logprobs <= self.max_logprobs:
@@ -146,7 +149,9 @@ class EpMirror:
     def _check_sampling(self, s: RowSampling, fail: "_Failer", key: tuple[int, int]) -> None:
         found = row_sampling_problem(s.temperature, s.top_p, s.top_k, s.min_p, s.seed,
                                      s.logprobs, s.banned_token_ids, self.vocab_size,
-                                     s.logit_bias, self.max_logprobs)
+                                     s.logit_bias, self.max_logprobs,
+                                     (s.presence_penalty, s.frequency_penalty,
+                                      s.repetition_penalty))
         if found is not None:
             fail(f"sampling of {key}: {found[0]} {found[1]}", key)
 

@@ -20,6 +20,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Sequence
 
+from epserve.models.sampling_rules import penalized
 from epserve.models.traits import PrefixReclaim, SequenceState
 from epserve.worker.kv_pool import KVPool
 
@@ -77,7 +78,8 @@ class KvBook:
         if seq.prefix_lookup_applied:
             return seq.cached_prefix_tokens
         seq.prefix_lookup_applied = True
-        if seq.collect_prompt_logprobs is not None or len(prompt) < 2:
+        # a scored prompt, or a penalized row (its rank needs every prompt token): no reuse
+        if seq.collect_prompt_logprobs is not None or len(prompt) < 2 or penalized(seq.sampling):
             return 0
         blocks = self.pools[seq.rank].match_prefix(prompt, seq.adapter_id,
                                                    max_tokens=len(prompt) - 1)

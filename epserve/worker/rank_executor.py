@@ -27,6 +27,7 @@ from epserve.models.traits import EpCommandFailed, RowSampling
 from epserve.worker.batch import RankRows, StepInputs, VerifyRun
 from epserve.worker.ep_mirror import EpMirror
 from epserve.worker.ep_results import RankResult, encode_result
+from epserve.worker.penalties import PenaltyBook
 from epserve.worker.runner import Runner
 from epserve.worker.step_command import (
     FEED_DEVICE, KIND_DECODE_AHEAD, KIND_SHUTDOWN, PrefillRow, ProtocolError, StepCommand,
@@ -68,6 +69,8 @@ class RankExecutor:
         self.last_applied = -1
         self.last_logits: Any = None  # the last step's sampled rows' logits (one rank)
         self.folded: dict[int, int] = {}  # slot -> tokens its states hold after a verify
+        self.penalties = PenaltyBook()  # penalized slots' tokens
+        self._fed: dict[int, list[int]] = {}  # their tokens in the admitted step
 
     # ------------------------------------------------------------------ one step
 
@@ -125,12 +128,15 @@ class RankExecutor:
             if r.rank == me:
                 self.sampling[r.slot] = None
                 self.last_token[r.slot] = -1
+                self.penalties.drop(r.slot)
         for n in cmd.new_seqs:
             if n.rank == me:
                 self.sampling[n.slot] = n.sampling
+                self.penalties.start(n.slot, n.sampling)
         for u in cmd.sampling_updates:
             if u.rank == me:
                 self.sampling[u.slot] = u.sampling
+                self.penalties.start(u.slot, u.sampling)
         for b in cmd.block_updates:
             if b.rank == me:
                 tables.set_blocks(b.slot, b.first, b.blocks)
@@ -138,6 +144,7 @@ class RankExecutor:
     def _rows(self, cmd: StepCommand) -> RankRows | None:
         """This rank's rows of an applied command (positions from the mirror, fed tokens from
         the command or this rank's last sample)."""
+        self._fed = {}
         me = self.rank
         rank, slot, feed, oidx = cmd.decode.cols
         pos = self.mirror.decode_pos  # each decode row's position, as validated
@@ -168,8 +175,25 @@ class RankExecutor:
                 output_index.append(p.output_index)
         rows = RankRows(slot, pos, ids, prefill, sampling, output_index,
                         [self._prompt_logprobs(p) for p in prefill], verify=verify,
-                        recurrent=self.mirror.recurrent)
+                        recurrent=self.mirror.recurrent, penalties=self._penalty_table(
+                            slot, ids, prefill, verify, sampling))
         return self._with_masks(rows, cmd) if cmd.masks else rows
+
+    def _penalty_table(self, slot: np.ndarray, ids: np.ndarray, prefill: list[PrefillRow],
+                       verify: list[VerifyRun], sampling: list[RowSampling]) -> Any:
+        """The step's ``PenaltyTable`` (None when no sampled row is penalized); keeps the
+        penalized slots' fed tokens for ``execute`` to record."""
+        book = self.penalties
+        self._fed = {}
+        if not book.history:
+            return None
+        if any(v.slot in book.history for v in verify):
+            raise ValueError("a speculative verify of a sequence with sampling penalties")
+        slots = slot.tolist()
+        self._fed = book.fed(slots, ids.tolist(), [(p.slot, p.tokens) for p in prefill])
+        infos = self.mirror.slots
+        return book.table(slots + [p.slot for p in prefill if p.sample], sampling, self._fed,
+                          lambda s: infos[(self.rank, s)].prompt_len)
 
     def _verify_run(self, v: Any, at: int) -> VerifyRun:
         feed = int(self.last_token[v.slot]) if v.feed == FEED_DEVICE else v.feed
@@ -212,6 +236,8 @@ class RankExecutor:
         ahead = cmd.kind == KIND_DECODE_AHEAD
         nblocks = self.mirror.nblocks[me][rows.decode_slots] if ahead else None
         out = self.runner.execute(rows, inp, ahead, nblocks)
+        if self._fed:
+            self.penalties.record(self._fed)
         self.last_logits = out.logits
         nv = rows.num_verify_positions
         nd = rows.num_decode - nv  # the decode rows; then the verify positions

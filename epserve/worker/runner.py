@@ -200,7 +200,7 @@ class Runner:
         logits = self.model.compute_logits(hidden)  # [R, V] float32
         if rows.mask_rows is not None:  # constrained rows: only their allowed tokens
             apply_token_masks(logits, rows.mask_rows, rows.mask_words)
-        pending = launch_sample(logits, rows.sampling, rows.output_index)
+        pending = launch_sample(logits, rows.sampling, rows.output_index, rows.penalties)
         launched = (ahead and self.lookahead is not None and nblocks is not None
                     and self.lookahead.launch(rows, nblocks, pending))
         tokens = pending.result()

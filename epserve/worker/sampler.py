@@ -4,8 +4,8 @@ Invariants: a row's draw depends only on (its ``RowSampling``, its output index,
 never on the other rows or their order: its noise is a counter-based hash of
 ``mix_seed(seed, output_index)`` and the vocab id (``epserve.kernels.sampling_noise``), so the
 CPU reference and the CUDA kernel draw the same token from the same logits. A row's
-``logit_bias`` is added to its logits first (greedy and sampled alike); a step with no biased
-row copies nothing. Greedy is argmax with ties to the lowest id. Banned ids are never picked
+``logit_bias`` is added to its logits first (greedy and sampled alike), then its penalties
+(``worker.penalties``) apply; a step with neither copies nothing. Greedy is argmax with ties to the lowest id. Banned ids are never picked
 (greedy included). Random rows draw by Gumbel-max on ``logits / temperature`` restricted to the
 top-k / top-p / min-p kept set (a prefix of the stable descending sort). Logprobs are of the raw
 logits (before biases, banning, temperature and filters), as vLLM's default; ties in a top-k
@@ -22,7 +22,7 @@ sync is the final read-back of tokens, logprobs and ranks (one flat float64 buff
 from __future__ import annotations
 
 import math
-from typing import Sequence
+from typing import Any, Sequence
 
 import torch
 
@@ -154,12 +154,13 @@ def sample_rows(logits: torch.Tensor, rows: Sequence[RowSampling],
 
 
 def launch_sample(logits: torch.Tensor, rows: Sequence[RowSampling],
-                  output_indices: Sequence[int]) -> PendingSample:
+                  output_indices: Sequence[int], penalties: Any = None) -> PendingSample:
     """One sampled token per row, left on the device.
 
     logits: [R, V] float32 (other float dtypes are upcast); rows: R ``RowSampling``;
     output_indices: R ints, each row's count of tokens sampled before this one (the noise
-    counter). Scaled logits are ``float32(logit) * float32(1 / temperature)``; rows with
+    counter); penalties: the penalized rows' ``worker.penalties.PenaltyTable`` or None. Scaled
+    logits are ``float32(logit) * float32(1 / temperature)``; rows with
     top-k / top-p / min-p are sorted once (together) to find where their kept set ends; then
     every row, greedy ones included, is drawn by one ``gumbel_argmax`` over the batch.
     """
@@ -196,6 +197,8 @@ def launch_sample(logits: torch.Tensor, rows: Sequence[RowSampling],
     if biased:  # each (row, token) once: a plain indexed add
         x = logits.to(torch.float32, copy=True)
         x[b_row, b_tok] += b_val
+    if penalties is not None:
+        x = _apply_penalties(logits if x is logits else x, penalties, x is logits)
 
     thr = torch.full((n,), float("-inf"), device=dev)
     tid = torch.full((n,), v, dtype=torch.int64, device=dev)
@@ -218,6 +221,24 @@ def launch_sample(logits: torch.Tensor, rows: Sequence[RowSampling],
             top_v, top_i = _stable_topk(lp, kmax)
             parts += [top_i.flatten().double(), top_v.flatten().double()]
     return PendingSample(tokens, torch.cat(parts), rows, want, kmax)
+
+
+def _apply_penalties(x: torch.Tensor, t: Any, copy: bool) -> torch.Tensor:
+    """vLLM's order: repetition (divide positive logits, multiply negative ones, at each
+    row's prompt and output tokens), then the additive frequency and presence terms."""
+    if copy:
+        x = x.to(torch.float32, copy=True)
+    dev = x.device
+    if t.rep_rows:
+        rows = _ship(t.rep_rows, torch.int64, dev)
+        toks = _ship(t.rep_toks, torch.int64, dev)
+        pen = _ship(t.rep_vals, torch.float32, dev)
+        sel = x[rows, toks]
+        x[rows, toks] = torch.where(sel > 0, sel / pen, sel * pen)
+    if t.add_rows:
+        x.index_put_((_ship(t.add_rows, torch.int64, dev), _ship(t.add_toks, torch.int64, dev)),
+                     _ship(t.add_vals, torch.float32, dev), accumulate=True)
+    return x
 
 
 def prompt_logprobs_rows(logits: torch.Tensor, targets: Sequence[int],

@@ -18,15 +18,17 @@ from epserve.models.traits import RowSampling
 from epserve.worker.wire import F64, I64, U64, Ints, ProtocolError, Table
 
 SAMPLING_FIELDS = [("temperature", F64), ("top_p", F64), ("top_k", I64), ("min_p", F64),
-                   ("seed", U64), ("logprobs", I64), ("n_bias", I64)]
-SAMPLING_KINDS = "ffifiii"
+                   ("seed", U64), ("logprobs", I64), ("presence", F64), ("frequency", F64),
+                   ("repetition", F64), ("n_bias", I64)]
+SAMPLING_KINDS = "ffifiifffi"
 
 
 def sampling_fields(s: RowSampling) -> tuple:
     """A row's ``RowSampling`` as wire fields (``logprobs`` None travels as -1; its
     ``banned_token_ids`` and ``logit_bias`` beside, as words: ``sampling_words``)."""
     return (s.temperature, s.top_p, s.top_k, s.min_p, s.seed,
-            -1 if s.logprobs is None else s.logprobs, len(s.logit_bias))
+            -1 if s.logprobs is None else s.logprobs, s.presence_penalty, s.frequency_penalty,
+            s.repetition_penalty, len(s.logit_bias))
 
 
 def sampling_words(s: RowSampling) -> Sequence[int]:
@@ -45,14 +47,15 @@ def sampling_words(s: RowSampling) -> Sequence[int]:
 def row_sampling(v: tuple, words: Ints) -> RowSampling:
     """``banned`` stays ``Ints`` (equal to the tuple the leader sent); the bias pairs are
     built as the leader's tuple (``check_bias_counts`` ran on the records first)."""
-    k = v[6]
+    k = v[9]
     if not k:
-        return RowSampling(v[0], v[1], v[2], v[3], v[4], words, None if v[5] == -1 else v[5])
+        return RowSampling(v[0], v[1], v[2], v[3], v[4], words, None if v[5] == -1 else v[5],
+                           (), v[6], v[7], v[8])
     n = len(words)
     ids = words.array[n - 3 * k:n - 2 * k].tolist()
     biases = np.ascontiguousarray(words.array[n - 2 * k:]).view("<f8").tolist()
     return RowSampling(v[0], v[1], v[2], v[3], v[4], words[:n - 3 * k],
-                       None if v[5] == -1 else v[5], tuple(zip(ids, biases)))
+                       None if v[5] == -1 else v[5], tuple(zip(ids, biases)), v[6], v[7], v[8])
 
 
 def check_bias_counts(table: Table) -> Table:

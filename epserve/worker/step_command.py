@@ -41,8 +41,8 @@ from epserve.worker.wire import (
 )
 
 # 2: row tables of fixed-width records; 3: token-mask rows; 4: verify; 5: logit_bias;
-# 6: MTP drafts in the result
-PROTOCOL_VERSION = 6
+# 6: MTP drafts in the result; 7: sampling penalties
+PROTOCOL_VERSION = 7
 MAX_DRAFT_TOKENS = 16  # drafted tokens one verify row may carry
 MAX_FRAME_BYTES = 64 * 2**20
 FEED_DEVICE = -1  # a decode row's token is the one its rank sampled for the slot last step

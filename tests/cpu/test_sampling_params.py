@@ -63,6 +63,9 @@ BAD = [
     ("structured_outputs", 5), ("structured_outputs", "json"),
     ("logit_bias", [(1, 2.0)]), ("logit_bias", {"1": 2.0}), ("logit_bias", {-1: 0.0}),
     ("logit_bias", {1: math.nan}), ("logit_bias", {True: 1.0}), ("logit_bias", {1: "2"}),
+    ("presence_penalty", 2.5), ("presence_penalty", math.nan), ("presence_penalty", "1"),
+    ("frequency_penalty", -2.01), ("frequency_penalty", True),
+    ("repetition_penalty", 0.0), ("repetition_penalty", -1.0), ("repetition_penalty", math.inf),
 ]
 
 

@@ -45,7 +45,9 @@ small = dict(max_size=4)
 
 samplings = st.builds(RowSampling, wire_floats, wire_floats, i64s, wire_floats, seeds,
                       st.lists(row_ints, **small).map(tuple),
-                      st.one_of(st.none(), i64s.filter(lambda v: v != -1)))  # -1 is None
+                      st.one_of(st.none(), i64s.filter(lambda v: v != -1)),  # -1 is None
+                      presence_penalty=wire_floats, frequency_penalty=wire_floats,
+                      repetition_penalty=wire_floats)
 step_commands = st.builds(
     StepCommand,
     step_id=wire_ints, kind=wire_ints,
