@@ -71,7 +71,7 @@ class _SamplingRequest(BaseModel):
     use_beam_search: bool = False
     return_tokens_as_token_ids: bool | None = None
     truncate_prompt_tokens: int | None = Field(None, ge=-1, le=INT32)
-    # Accepted at their neutral values only: the engine has no penalties yet.
+    # vLLM's penalties (ranges checked by SamplingParams: a 400 naming the field)
     presence_penalty: float | None = None
     frequency_penalty: float | None = None
     repetition_penalty: float | None = None
@@ -83,12 +83,6 @@ class _SamplingRequest(BaseModel):
         if self.stream_options is not None and not self.stream:
             raise bad_request("stream_options can only be set when stream is true",
                               param="stream_options")
-        for name, neutral in (("presence_penalty", 0.0), ("frequency_penalty", 0.0),
-                              ("repetition_penalty", 1.0)):
-            v = getattr(self, name)
-            if v is not None and v != neutral:
-                raise bad_request(f"{name} is not supported by this server (only {neutral})",
-                                  param=name)
         if self.use_beam_search:
             raise bad_request("beam search is not supported by this server",
                               param="use_beam_search")
@@ -338,7 +332,8 @@ def sampling_kwargs(req: _SamplingRequest, *, max_tokens: int | None, logprobs: 
         logprobs=logprobs, prompt_logprobs=prompt_logprobs,
         skip_special_tokens=req.skip_special_tokens,
         include_stop_str_in_output=req.include_stop_str_in_output)
-    for name in ("temperature", "top_p", "top_k", "min_p"):
+    for name in ("temperature", "top_p", "top_k", "min_p", "presence_penalty",
+                 "frequency_penalty", "repetition_penalty"):
         v = getattr(req, name)
         if v is not None:
             kw[name] = v

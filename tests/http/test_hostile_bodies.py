@@ -232,7 +232,7 @@ def test_invalid_requests_name_their_param(server):
                                   "top_logprobs": 2}, "top_logprobs"),
         ("/v1/chat/completions", {"messages": []}, "messages"),
         ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}],
-                                  "presence_penalty": 0.5}, "presence_penalty"),
+                                  "presence_penalty": 2.5}, "presence_penalty"),
     ]
     for route, body, param in cases:
         err = _assert_openai_error(_post(server, route, json.dumps(body).encode()), 400, 400)

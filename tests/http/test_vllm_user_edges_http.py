@@ -161,3 +161,38 @@ def test_a_streamed_chunk_has_one_tool_call_entry_per_index(scripted_server, tri
         assert [name for name, _ in got] == names, got
     if trigger is None and not extra:
         assert got == [["get_weather", WEATHER_ARGS]]
+
+
+# ---------------------------------------------------------------- sampling penalties
+
+PENALTIES = {"presence_penalty": 1.2, "frequency_penalty": 0.8, "repetition_penalty": 1.5}
+
+
+def test_penalties_are_served_as_the_offline_engine_serves_them(server, client, offline_llm):
+    """The openai client's presence/frequency_penalty and vLLM's repetition_penalty reach the
+    engine: the text equals the offline LLM's with the same penalties (and differs from the
+    unpenalized text, so the penalties did something)."""
+    from epserve import SamplingParams
+
+    prompt = "the the the the the the"
+    kw = dict(temperature=0.0, max_tokens=24, ignore_eos=True)
+    want = offline_llm.generate(prompt, SamplingParams(**kw, **PENALTIES))[0].outputs[0].text
+    plain = offline_llm.generate(prompt, SamplingParams(**kw))[0].outputs[0].text
+    assert want != plain
+    got = client.completions.create(
+        model=server.model, prompt=prompt, temperature=0.0, max_tokens=24,
+        presence_penalty=PENALTIES["presence_penalty"],
+        frequency_penalty=PENALTIES["frequency_penalty"],
+        extra_body={"repetition_penalty": PENALTIES["repetition_penalty"], "ignore_eos": True})
+    assert got.choices[0].text == want
+    chat = _post(server, "/v1/chat/completions", {
+        "messages": ASK, "max_tokens": 8, "temperature": 0, **PENALTIES})
+    assert chat.status_code == 200, chat.text
+
+
+@pytest.mark.parametrize("field,value", [("presence_penalty", 3), ("frequency_penalty", -2.5),
+                                         ("repetition_penalty", 0)])
+def test_a_penalty_out_of_range_is_a_400_naming_it(server, field, value):
+    err = _error(_post(server, "/v1/completions", {"prompt": "hi", "max_tokens": 2,
+                                                   field: value}))
+    assert err["param"] == field and field in err["message"], err
