@@ -88,6 +88,17 @@ def test_penalized_and_plain_rows_share_a_batch(llm, qwen3_ckpt, prompts):
         plain[0], _reference(qwen3_ckpt, prompts[1], 0.0, 2.0, 1.0), plain[2]]
 
 
+def test_penalties_survive_preemption(qwen3_ckpt, prompts):
+    """A preempted sequence is recomputed from prompt and output; its rank's history of it
+    starts again and the output tokens still count as output."""
+    llm = LLM(model=str(qwen3_ckpt), dtype="float32", seed=0, block_size=4, num_kv_blocks=12,
+              max_num_batched_tokens=16)
+    got = _run(llm, prompts, _greedy(presence_penalty=0.9, frequency_penalty=0.6,
+                                     repetition_penalty=1.4))
+    assert llm.engine.scheduler.num_preemptions > 0
+    assert got == [_reference(qwen3_ckpt, p, 0.9, 0.6, 1.4) for p in prompts]
+
+
 def test_a_penalized_request_reads_no_cached_prefix(qwen3_ckpt, prompts):
     llm = LLM(model=str(qwen3_ckpt), dtype="float32", seed=0, block_size=4)
     p = prompts[1]

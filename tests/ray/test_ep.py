@@ -30,6 +30,9 @@ def _prompts(seed: int = 5) -> list[list[int]]:
 
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=NEW, ignore_eos=True, logprobs=0)
+# every other prompt penalized: each rank keeps its own sequences' token histories
+PENALIZED = SamplingParams(temperature=0.0, max_tokens=NEW, ignore_eos=True, logprobs=0,
+                           presence_penalty=0.9, frequency_penalty=0.6, repetition_penalty=1.4)
 # small blocks, a small pool and a small token budget: chunked prefill and preemption happen
 STRESS = dict(dtype="float32", block_size=4, num_kv_blocks=40, max_num_batched_tokens=24,
               long_prefill_token_threshold=8)
@@ -52,10 +55,11 @@ def _ckpt6(arch: str, tmp_path_factory):
 def test_ep3_matches_ep1(ray_cluster, tmp_path_factory, arch, strategy):
     ckpt6 = _ckpt6(arch, tmp_path_factory)
     prompts = [{"prompt_token_ids": p} for p in _prompts(seed=11)]
-    want = _ids(LLM(model=str(ckpt6), **STRESS).generate(prompts, GREEDY))
+    params = [PENALIZED if i % 2 else GREEDY for i in range(len(prompts))]
+    want = _ids(LLM(model=str(ckpt6), **STRESS).generate(prompts, params))
     ep = LLM(model=str(ckpt6), ep_size=3, placement_strategy=strategy, **STRESS)
     try:
-        assert _ids(ep.generate(prompts, GREEDY)) == want
+        assert _ids(ep.generate(prompts, params)) == want
     finally:
         ep.close()
 
