@@ -35,7 +35,7 @@ fi
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
   --target /tmp/site .whl/*.whl || exit
 export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1
-NEW="hybrid or gated_delta or structured or spec_decode or norm or rope"  # touched in session 11
+NEW="hybrid or gated_delta or structured or spec_decode or norm or rope or penalties or sampling"  # touched in sessions 11-12
 case "$stage" in
   tests)
     python -m pytest -q tests/gpu -k "$NEW" 2>&1 | tee "$log" ;;
