@@ -20,6 +20,12 @@ the request's own ``response_format`` / ``structured_outputs`` (each is a constr
 whole output) is a 400 that names them. ``ForcedToolStream`` sends a call's id, type and name
 first, then its arguments as the text arrives (the text as the model wrote it); fed whole, it
 gives the same calls.
+
+An output cut short (``max_tokens``: ``finish_reason`` ``length``, streamed or not) keeps what
+it got, one shape for both: the calls as far as they go (the last one's arguments cut, not
+valid JSON; vLLM's named choice does the same, its ``required`` fails the whole response with
+a JSON parse error), and the text of a ``required`` array element cut before its call's name
+was complete (all of it when no call opened) as ``content``, so no generated text is dropped.
 """
 
 from __future__ import annotations
@@ -158,6 +164,7 @@ class ForcedToolStream:
         self._out = ToolOutput()
         self._scan: CallScanner | None = None  # the array element being read (required)
         self._call: _Call | None = None        # its call, once its name is read
+        self._before = ""  # required: the text so far while no call has opened
 
     def feed(self, text: str) -> ToolOutput:
         if text and self.name is not None:
@@ -167,10 +174,16 @@ class ForcedToolStream:
         return self._take()
 
     def finish(self) -> ToolOutput:
-        """The end of the text: a call cut short (``max_tokens``) keeps what it got."""
+        """The end of the text: a call cut short (``max_tokens``) keeps what it got; the text
+        of an element cut before its call opened (all the text, when none did) is content."""
         if self._scan is not None:
             self._update()
+            if self._call is None and self.calls:
+                self._out.content += self._scan.text
             self._scan = self._call = None
+        if not self.calls:
+            self._out.content += self._before
+        self._before = ""
         return self._take()
 
     def _take(self) -> ToolOutput:
@@ -188,6 +201,8 @@ class ForcedToolStream:
         self._out.deltas.append({"index": 0, "function": {"arguments": text}})
 
     def _array(self, text: str) -> None:
+        if not self.calls:
+            self._before += text
         for c in text:
             if self._scan is None:
                 if c != "{":  # "[", "]", "," and the whitespace between the calls

@@ -1,8 +1,9 @@
 """What a vLLM user sees at the edges a black-box probe found (raw HTTP, as a client without
 the openai SDK's help sees it): content parts the server does not serve refused saying so,
 ``truncate_prompt_tokens`` over the context refused in vLLM's words, ``"max_tokens": null`` on
-/v1/completions running to the context length, and streamed tool calls with one entry per
-``index`` in a chunk. Uses the session's demo and scripted servers (conftest), starts none."""
+/v1/completions running to the context length, streamed tool calls with one entry per
+``index`` in a chunk, and a forced tool call cut short by ``max_tokens`` (one shape, streamed or
+not). Uses the session's demo and scripted servers (conftest), starts none."""
 
 from __future__ import annotations
 
@@ -196,3 +197,54 @@ def test_a_penalty_out_of_range_is_a_400_naming_it(server, field, value):
     err = _error(_post(server, "/v1/completions", {"prompt": "hi", "max_tokens": 2,
                                                    field: value}))
     assert err["param"] == field and field in err["message"], err
+
+
+# ---------------------------------------------------------------- forced calls cut short
+
+GET_TIME = {"type": "function", "function": {"name": "get_time"}}
+
+
+def _streamed_choice(server, body: dict) -> tuple[str, list[list[str]], str | None]:
+    """(content, calls as [name, arguments], finish_reason) of a streamed single choice."""
+    content, calls, finish = "", {}, None
+    for chunk in _raw_chunks(server, body):
+        for choice in chunk["choices"]:
+            delta = choice["delta"]
+            content += delta.get("content") or ""
+            for e in delta.get("tool_calls") or []:
+                call = calls.setdefault(e["index"], [e["function"].get("name"), ""])
+                call[1] += e["function"].get("arguments") or ""
+            finish = choice.get("finish_reason") or finish
+    return content, [calls[i] for i in sorted(calls)], finish
+
+
+@pytest.mark.parametrize("choice, max_tokens", [
+    ("required", 4),    # cut before the call's name is complete: the text is the content
+    ("required", 48),   # cut inside the arguments: the call as far as it got
+    (GET_TIME, 4),      # a named function's call opens with the first token
+])
+def test_a_forced_call_cut_by_max_tokens_is_length_with_its_text(scripted_server, choice,
+                                                                   max_tokens):
+    """One shape, streamed or not: finish_reason 'length', the calls as far as they got, and
+    the text no call could hold as content; every generated character is in the answer."""
+    body = {"messages": ASK, "tools": TOOLS, "tool_choice": choice, "max_tokens": max_tokens,
+            "seed": 11}
+    r = _post(scripted_server, "/v1/chat/completions", {**body, "return_token_ids": True})
+    assert r.status_code == 200, r.text
+    whole = r.json()["choices"][0]
+    assert whole["finish_reason"] == "length" and len(whole["token_ids"]) == max_tokens
+    text = _post(scripted_server, "/detokenize", {"tokens": whole["token_ids"]}).json()["prompt"]
+    msg = whole["message"]
+    calls = [[c["function"]["name"], c["function"]["arguments"]] for c in msg["tool_calls"]]
+    if choice == "required" and max_tokens == 4:
+        assert calls == [] and msg["content"] == text and text.strip(), (msg, text)
+    else:
+        assert msg["content"] == "" and calls, msg
+        name, args = calls[-1]
+        assert name in ("get_weather", "get_time") and text.endswith(args), (calls, text)
+        with pytest.raises(ValueError):
+            json.loads(args)  # cut: not valid JSON, and finish_reason says so
+        if choice is GET_TIME:
+            assert calls == [["get_time", text]]
+    # streamed with the same seed: the same content, calls and finish_reason
+    assert _streamed_choice(scripted_server, body) == (msg["content"], calls, "length")
