@@ -29,16 +29,39 @@ def _console_script() -> str:
 
 @pytest.fixture(scope="module")
 def env(demo_model_dir) -> dict[str, str]:
+    import torch
+
     e = dict(os.environ)
     e["EPSERVE_CACHE_DIR"] = str(demo_model_dir.parent)
     e.pop("CUDA_VISIBLE_DEVICES", None)
+    # the test process's torch threads (tests/conftest.py: half the cores, one on the 2-core
+    # CI VM): a command runs beside this process and the next command, and with two threads
+    # each tiny op's barrier waits for a core another process holds (a generate run took
+    # 8.1 s with two threads, 2.6 s with one, on the 2-core VM under load)
+    e["OMP_NUM_THREADS"] = str(torch.get_num_threads())
     return e
 
 
-def _run(env, *args: str, script: bool = False) -> subprocess.CompletedProcess:
+def _start(env, *args: str, script: bool = False) -> subprocess.Popen:
+    """The command running (its output collected by ``_done``): the tests start a command,
+    then compute what it must print meanwhile."""
     cmd = [_console_script()] if script else [sys.executable, "-m", "epserve"]
-    return subprocess.run(cmd + list(args), env=env, capture_output=True, text=True,
-                          timeout=TIMEOUT, stdin=subprocess.DEVNULL)
+    return subprocess.Popen(cmd + list(args), env=env, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True, stdin=subprocess.DEVNULL)
+
+
+def _done(proc: subprocess.Popen) -> subprocess.CompletedProcess:
+    try:
+        out, err = proc.communicate(timeout=TIMEOUT)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.communicate()
+        raise
+    return subprocess.CompletedProcess(proc.args, proc.returncode, out, err)
+
+
+def _run(env, *args: str, script: bool = False) -> subprocess.CompletedProcess:
+    return _done(_start(env, *args, script=script))
 
 
 def _one_error_line(proc: subprocess.CompletedProcess) -> str:
@@ -57,45 +80,49 @@ def demo(demo_model_dir) -> LLM:
 
 
 def test_generate_prints_the_greedy_text_of_the_api(env, demo):
-    first = _run(env, "generate", "--max-tokens", "8", "Hello")
-    assert first.returncode == 0, first.stderr
-    assert first.stdout.strip()
-    want = demo.generate("Hello", SamplingParams(temperature=0.0, max_tokens=8))[0].outputs[0]
-    assert len(want.token_ids) == 8 or want.finish_reason == "stop"
-    assert first.stdout == want.text + "\n"
+    first = _start(env, "generate", "--max-tokens", "8", "Hello")
     # The console script is the same command, greedy output does not change between runs, and
     # the decode lookahead changes no token (one run checks all three).
-    second = _run(env, "generate", "--no-decode-lookahead", "--max-tokens", "8", "Hello",
-                  script=True)
+    second = _start(env, "generate", "--no-decode-lookahead", "--max-tokens", "8", "Hello",
+                    script=True)
+    want = demo.generate("Hello", SamplingParams(temperature=0.0, max_tokens=8))[0].outputs[0]
+    first, second = _done(first), _done(second)
+    assert first.returncode == 0, first.stderr
+    assert first.stdout.strip()
+    assert len(want.token_ids) == 8 or want.finish_reason == "stop"
+    assert first.stdout == want.text + "\n"
     assert second.returncode == 0, second.stderr
     assert second.stdout == first.stdout
 
 
 def test_generate_with_stop_and_sampling_options(env, demo):
+    sampled_run = _start(env, "generate", "--max-tokens", "12", "--ignore-eos", "--temperature",
+                         "0.9", "--top-p", "0.95", "--top-k", "50", "--sample-seed", "5",
+                         "Once upon a time", script=True)
     base = demo.generate("Once upon a time", SamplingParams(temperature=0.0, max_tokens=24,
                                                             ignore_eos=True))[0].outputs[0].text
     stop = base[12:15]
+    stop_run = _start(env, "generate", "--max-tokens", "24", "--ignore-eos", "--stop", stop,
+                      "Once upon a time")
     want = demo.generate("Once upon a time", SamplingParams(
         temperature=0.0, max_tokens=24, ignore_eos=True, stop=[stop]))[0].outputs[0]
-    assert want.finish_reason == "stop"
-    proc = _run(env, "generate", "--max-tokens", "24", "--ignore-eos", "--stop", stop,
-                "Once upon a time")
-    assert proc.returncode == 0, proc.stderr
-    assert proc.stdout == want.text + "\n"
     sampled = demo.generate("Once upon a time", SamplingParams(
         temperature=0.9, top_p=0.95, top_k=50, seed=5, max_tokens=12, ignore_eos=True))[0]
-    proc = _run(env, "generate", "--max-tokens", "12", "--ignore-eos", "--temperature", "0.9",
-                "--top-p", "0.95", "--top-k", "50", "--sample-seed", "5", "Once upon a time",
-                script=True)
+    proc = _done(stop_run)
+    assert want.finish_reason == "stop"
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout == want.text + "\n"
+    proc = _done(sampled_run)
     assert proc.returncode == 0, proc.stderr
     assert proc.stdout == sampled.outputs[0].text + "\n"
 
 
 def test_generate_chat_uses_the_chat_template(env, demo):
-    proc = _run(env, "generate", "--chat", "--max-tokens", "8", "Hello")
-    assert proc.returncode == 0, proc.stderr
+    run = _start(env, "generate", "--chat", "--max-tokens", "8", "Hello")
     want = demo.chat([{"role": "user", "content": "Hello"}],
                      SamplingParams(temperature=0.0, max_tokens=8))[0].outputs[0]
+    proc = _done(run)
+    assert proc.returncode == 0, proc.stderr
     assert proc.stdout == want.text + "\n"
 
 
