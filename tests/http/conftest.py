@@ -19,6 +19,22 @@ def _cleanup() -> None:
         _CLEANUPS.pop()()
 
 
+def pytest_collection_modifyitems(session, config, items):
+    """The HTTP tests that need no cluster of this session (``serve run`` and ``epserve serve``
+    start their own, the config checks none) run first, before this session's Ray cluster and
+    server start: their own clusters then do not share the 2 cores with an idle Serve app and
+    its cluster (up to the last HTTP test either way)."""
+    ours = [i for i, item in enumerate(items) if _HERE in Path(str(item.path)).parents]
+    first = [items[i] for i in ours if "ray_cluster" not in _fixture_names(items[i])]
+    rest = [items[i] for i in ours if "ray_cluster" in _fixture_names(items[i])]
+    for i, item in zip(ours, first + rest):
+        items[i] = item
+
+
+def _fixture_names(item) -> tuple[str, ...]:
+    return tuple(getattr(item, "fixturenames", ()))
+
+
 def pytest_runtest_teardown(item, nextitem):
     """Stop the server after the last HTTP test, not at the end of the whole session: the
     tests of other folders should not share the machine with an idle Serve app."""
