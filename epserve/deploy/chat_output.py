@@ -6,7 +6,8 @@ Invariants: the reasoning is split off first, and tool calls are parsed in the c
 it; a streamed choice's deltas add up to its whole message (the same reasoning, content, tool
 names and arguments); ``finish_reason`` is ``tool_calls`` once a choice made a call (``auto``)
 and when a ``required`` choice stopped, ``stop`` for a named function, as vLLM gives them;
-reasoning goes out under both of vLLM's names, ``reasoning_content`` and ``reasoning``.
+reasoning goes out under both of vLLM's names, ``reasoning_content`` and ``reasoning``, unless
+the request's ``include_reasoning`` is false (then neither, whole or streamed; still split off).
 ``tool_choice`` ``required`` or a named function is forced with structured output
 (``forced_tools``), needs no serve flags, and is parsed by its own stream (never the hermes
 parser, never a reasoning split: the constraint holds from the first token).
@@ -134,8 +135,9 @@ class ChoiceParser:
 
     def __init__(self, reasoning: ReasoningSplitter | None,
                  tools: HermesToolStream | ForcedToolStream | None,
-                 forced: ForcedChoice | None = None):
+                 forced: ForcedChoice | None = None, keep_reasoning: bool = True):
         self.reasoning, self.tools, self.forced = reasoning, tools, forced
+        self.keep_reasoning = keep_reasoning  # vLLM's include_reasoning: false drops it
 
     @property
     def made_calls(self) -> bool:
@@ -149,6 +151,7 @@ class ChoiceParser:
         return self._pass(*(self.reasoning.finish() if self.reasoning else ("", "")), end=True)
 
     def _pass(self, reasoning: str, content: str, end: bool) -> Piece:
+        reasoning = reasoning if self.keep_reasoning else ""
         if self.tools is None:
             return Piece(reasoning, content)
         out: ToolOutput = self.tools.feed(content)
@@ -201,15 +204,16 @@ def reply_starts_thinking(parsing: ChatParsing, prompt_text: str | None,
 
 
 def choice_parser(parsing: ChatParsing, plan: ToolPlan, in_reasoning: bool,
-                  whole: bool) -> ChoiceParser:
+                  whole: bool, keep_reasoning: bool = True) -> ChoiceParser:
     """A fresh parser for one choice (``whole``: the text comes at once, so a tool-call block
-    counts only once it is known to be a call)."""
+    counts only once it is known to be a call; ``keep_reasoning``: vLLM's
+    ``include_reasoning``, false leaves the split-off reasoning out of message and deltas)."""
     if plan.forced is not None:  # all of the output is the call(s): no reasoning, no tags
         return ChoiceParser(None, ForcedToolStream(plan.forced.name, plan.parallel),
                             plan.forced)
     reasoning = ReasoningSplitter(in_reasoning) if parsing.reasoning_parser else None
     tools = HermesToolStream(plan.parallel, eager=not whole) if plan.parse else None
-    return ChoiceParser(reasoning, tools)
+    return ChoiceParser(reasoning, tools, keep_reasoning=keep_reasoning)
 
 
 __all__ = ["AUTO_NEEDS_FLAGS", "ChatParsing", "ChoiceParser", "Piece", "ToolPlan",

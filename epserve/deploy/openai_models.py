@@ -17,7 +17,8 @@ import json
 import re
 from typing import Any, Literal, Union
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+from pydantic import (BaseModel, ConfigDict, Field, ValidationError, field_validator,
+                      model_validator)
 
 from epserve.deploy.chat_content import check_content
 from epserve.deploy.errors import bad_request, from_value_error
@@ -78,6 +79,10 @@ class _SamplingRequest(BaseModel):
     # token id (a JSON key: a string) -> bias, clamped to [-100, 100] (SamplingParams)
     logit_bias: dict[str, float] | None = None
     structured_outputs: StructuredOutputs | None = None  # vLLM's field (deploy.structured_output)
+    # vLLM's: the response id is "<cmpl|chatcmpl>-<request_id>" (the engine's ids add a random
+    # suffix, so two requests sharing one never clash); priority: only vLLM's default 0
+    request_id: str | None = Field(None, max_length=256, pattern=r"^[^\x00-\x1f\x7f]*$")
+    priority: int = Field(0, ge=-(2**63), lt=2**63)
 
     def check_common(self) -> None:
         if self.stream_options is not None and not self.stream:
@@ -91,6 +96,9 @@ class _SamplingRequest(BaseModel):
                               "least 1", param="truncate_prompt_tokens")
         if self.stop_token_ids and any(t > INT32 for t in self.stop_token_ids):
             raise bad_request("stop_token_ids must hold token ids", param="stop_token_ids")
+        if self.priority != 0:  # vLLM's refusal under its default first-come-first-served
+            raise bad_request(f"Got priority {self.priority} but Priority scheduling is not "
+                              f"enabled.", param="priority")
 
     @property
     def include_usage(self) -> bool:
@@ -111,6 +119,7 @@ class CompletionRequest(_SamplingRequest):
     best_of: int | None = Field(None, le=INT32)
     # vLLM's: structured output on completions too, as chat's (deploy.structured_output)
     response_format: ResponseFormat | None = None
+    add_special_tokens: bool = True  # vLLM's: a text prompt's BOS and the like
 
     def prompts(self) -> list[str | list[int]]:
         """The prompts as a list of texts or token-id lists (one per choice group)."""
@@ -269,6 +278,8 @@ class ChatCompletionRequest(_SamplingRequest):
     parallel_tool_calls: bool | None = None
     chat_template_kwargs: dict[str, Any] | None = None
     response_format: ResponseFormat | None = None
+    include_reasoning: bool = True  # vLLM's: false leaves reasoning out of the answer
+    add_special_tokens: bool = False  # vLLM's: the template already wrote them
 
     def check(self) -> None:
         self.check_common()
@@ -292,12 +303,18 @@ class TokenizeRequest(BaseModel):
     model: str | None = None
     prompt: str | None = None
     messages: list[ChatMessage] | None = Field(None, max_length=4096)
-    add_special_tokens: bool = True
+    add_special_tokens: bool | None = None  # vLLM's defaults: true for a prompt, false for chat
     add_generation_prompt: bool = True
     continue_final_message: bool = False
     return_token_strs: bool = False
     tools: list[Tool] | None = Field(None, max_length=1024)
     chat_template_kwargs: dict[str, Any] | None = None
+
+    @model_validator(mode="after")
+    def _special_tokens_default(self) -> "TokenizeRequest":
+        if self.add_special_tokens is None:
+            self.add_special_tokens = self.messages is None
+        return self
 
 
 class DetokenizeRequest(BaseModel):

@@ -51,10 +51,19 @@ class Head:
     object: str
     model: str
     created: int
+    engine_id: str = ""  # the base of its engine requests' ids
 
     @classmethod
-    def new(cls, prefix: str, object: str, model: str) -> "Head":
-        return cls(new_id(prefix), object, model, int(time.time()))
+    def new(cls, prefix: str, object: str, model: str,
+            request_id: str | None = None) -> "Head":
+        """``request_id``: the client's (vLLM's field): the id is ``<prefix>-<request_id>``, as
+        vLLM's, and the engine's ids add a random suffix (as vLLM's internal ids do), so two
+        requests sent with one id never clash."""
+        if request_id is None:
+            rid = new_id(prefix)
+            return cls(rid, object, model, int(time.time()), rid)
+        rid = f"{prefix}-{request_id}"
+        return cls(rid, object, model, int(time.time()), f"{rid}-{uuid.uuid4().hex[:8]}")
 
     def body(self, **fields: Any) -> dict[str, Any]:
         return {"id": self.id, "object": self.object, "created": self.created,

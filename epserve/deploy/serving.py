@@ -137,7 +137,7 @@ class OpenAIServing:
                                     add_generation_prompt=req.add_generation_prompt,
                                     continue_final=continue_final,
                                     kwargs=req.chat_template_kwargs)
-        return Prompt(text, await self._encode(text, add_special_tokens=False, param="messages"))
+        return Prompt(text, await self._encode(text, bool(req.add_special_tokens), "messages"))
 
     # ------------------------------------------------------------------ completions
 
@@ -149,7 +149,7 @@ class OpenAIServing:
         prompts = []
         for p in req.prompts():
             if isinstance(p, str):
-                ids = await self._encode(p, add_special_tokens=True, param="prompt")
+                ids = await self._encode(p, req.add_special_tokens, param="prompt")
                 prompts.append(Prompt(p, ids))
             else:
                 self._check_ids(p, "prompt")
@@ -163,8 +163,9 @@ class OpenAIServing:
             prompt_lp = max(prompt_lp or 0, req.logprobs)
         kw = sampling_kwargs(req, max_tokens=max_tokens, logprobs=req.logprobs,
                              prompt_logprobs=prompt_lp, limits=self.info.limits)
-        head = R.Head.new("cmpl", "text_completion", self.info.name)
-        fan = await open_streams(self.client, head.id, prompts, kw, "prompt", self.metrics, t0)
+        head = R.Head.new("cmpl", "text_completion", self.info.name, req.request_id)
+        fan = await open_streams(self.client, head.engine_id, prompts, kw, "prompt",
+                                 self.metrics, t0)
         if req.stream:
             return self._completion_stream(req, head, prompts, fan)
         try:
@@ -284,9 +285,9 @@ class OpenAIServing:
                              prompt_logprobs=req.prompt_logprobs, constraint=plan.constraint)
         if plan.parse:  # as vLLM's hermes parser: tool tags may be special tokens
             kw["skip_special_tokens"] = False
-        head = R.Head.new("chatcmpl", "chat.completion", self.info.name)
-        fan = await open_streams(self.client, head.id, [prompt], kw, "messages", self.metrics,
-                                t0)
+        head = R.Head.new("chatcmpl", "chat.completion", self.info.name, req.request_id)
+        fan = await open_streams(self.client, head.engine_id, [prompt], kw, "messages",
+                                 self.metrics, t0)
         echo = self._chat_echo(req)
         if req.stream:
             return self._chat_stream(req, head, fan, echo, prompt.ids, plan, in_reasoning)
@@ -296,7 +297,7 @@ class OpenAIServing:
             await fan.close()
         choices = []
         for c in out.outputs:
-            p = choice_parser(self.parsing, plan, in_reasoning, whole=True)
+            p = choice_parser(self.parsing, plan, in_reasoning, True, req.include_reasoning)
             choice = R.chat_choice(c.index, p.message(c.text, echo),
                                    self._chat_lps(req, c.token_ids, c.logprobs),
                                    p.finish_reason(c.finish_reason), c.stop_reason)
@@ -335,7 +336,7 @@ class OpenAIServing:
                              **extra) for k in range(req.n)]
         extra = {"usage": None} if req.include_usage else {}
         tracker = DeltaTracker(1, req.n)
-        parsers = [choice_parser(self.parsing, plan, in_reasoning, whole=False)
+        parsers = [choice_parser(self.parsing, plan, in_reasoning, False, req.include_reasoning)
                    for _ in range(req.n)]
 
         def chunk(i: int, out: RequestOutput, d: Delta) -> dict[str, Any] | None:

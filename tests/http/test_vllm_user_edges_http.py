@@ -7,11 +7,13 @@ not). Uses the session's demo and scripted servers (conftest), starts none."""
 
 from __future__ import annotations
 
+import asyncio
 import json
+from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 import requests
-from scripted_model import WEATHER_ARGS
+from scripted_model import REASONING, WEATHER_ARGS
 
 IMAGE = {"type": "image_url", "image_url": {"url": "data:image/png;base64,AAAA"}}
 AUDIO = {"type": "input_audio", "input_audio": {"data": "AAAA", "format": "wav"}}
@@ -119,8 +121,8 @@ def test_completions_max_tokens_null_runs_to_the_context_length(server):
 # ---------------------------------------------------------------- streamed tool calls
 
 
-def _raw_chunks(server, body: dict) -> list[dict]:
-    with _post(server, "/v1/chat/completions", {**body, "stream": True}, stream=True) as r:
+def _raw_chunks(server, body: dict, path: str = "/v1/chat/completions") -> list[dict]:
+    with _post(server, path, {**body, "stream": True}, stream=True) as r:
         assert r.status_code == 200, r.text
         lines = [line for line in r.iter_lines() if line.startswith(b"data: ")]
     assert lines[-1] == b"data: [DONE]"
@@ -248,3 +250,120 @@ def test_a_forced_call_cut_by_max_tokens_is_length_with_its_text(scripted_server
             assert calls == [["get_time", text]]
     # streamed with the same seed: the same content, calls and finish_reason
     assert _streamed_choice(scripted_server, body) == (msg["content"], calls, "length")
+
+
+# ---------------------------------------------------------------- vLLM's request extras
+
+
+def test_include_reasoning_false_leaves_the_reasoning_out(scripted_server):
+    """vLLM's include_reasoning: false drops reasoning_content / reasoning from the message and
+    from every streamed delta; the content (and a call after the thinking) stays as it was."""
+    body = {"messages": ASK, "max_tokens": 64}
+    kept = _post(scripted_server, "/v1/chat/completions", body).json()["choices"][0]["message"]
+    assert kept["reasoning_content"] == kept["reasoning"] == REASONING  # the default: true
+    off = {**body, "include_reasoning": False}
+    msg = _post(scripted_server, "/v1/chat/completions", off).json()["choices"][0]["message"]
+    assert msg["reasoning_content"] is None and msg["reasoning"] is None, msg
+    assert msg["content"] == kept["content"] and "think>" not in msg["content"]
+    deltas = [c["delta"] for ch in _raw_chunks(scripted_server, off) for c in ch["choices"]]
+    assert not any("reasoning_content" in d or "reasoning" in d for d in deltas), deltas
+    assert "".join(d.get("content") or "" for d in deltas) == kept["content"]
+    with_tools = _post(scripted_server, "/v1/chat/completions", {**off, "tools": TOOLS})
+    (choice,) = with_tools.json()["choices"]
+    assert choice["message"]["reasoning_content"] is None
+    assert [(c["function"]["name"], c["function"]["arguments"])
+            for c in choice["message"]["tool_calls"]] == [("get_weather", WEATHER_ARGS)]
+
+
+def test_request_id_is_the_response_id(server):
+    """vLLM's request_id: the response (and every chunk) is '<cmpl|chatcmpl>-<request_id>';
+    two requests sent at once with one id are both served (the engine's ids stay unique)."""
+    for path, body, prefix in (("/v1/chat/completions", {"messages": ASK}, "chatcmpl"),
+                               ("/v1/completions", {"prompt": "hi"}, "cmpl")):
+        body = {**body, "max_tokens": 2, "request_id": "trace-42"}
+        r = _post(server, path, body)
+        assert r.status_code == 200 and r.json()["id"] == f"{prefix}-trace-42", r.text
+        assert {c["id"] for c in _raw_chunks(server, body, path)} == {f"{prefix}-trace-42"}
+    same = {"messages": ASK, "max_tokens": 24, "ignore_eos": True, "request_id": "same"}
+    with ThreadPoolExecutor(3) as pool:
+        answers = list(pool.map(lambda _: _post(server, "/v1/chat/completions", same), range(3)))
+    for r in answers:
+        assert r.status_code == 200 and r.json()["id"] == "chatcmpl-same", r.text
+        assert r.json()["usage"]["completion_tokens"] == 24
+    err = _error(_post(server, "/v1/chat/completions", {"messages": ASK, "max_tokens": 2,
+                                                        "request_id": "a\nb"}))
+    assert err["param"] == "request_id", err
+
+
+def test_priority_is_served_at_0_and_refused_otherwise_in_vllms_words(server):
+    """vLLM's priority under its default first-come-first-served policy: 0 is served, any
+    other value is a 400 in vLLM's words (this server schedules first-come-first-served)."""
+    for path, body in (("/v1/chat/completions", {"messages": ASK}),
+                       ("/v1/completions", {"prompt": "hi"})):
+        ok = _post(server, path, {**body, "max_tokens": 2, "priority": 0})
+        assert ok.status_code == 200, ok.text
+        for value in (5, -1):
+            err = _error(_post(server, path, {**body, "max_tokens": 2, "priority": value}))
+            assert err["message"] == (f"Got priority {value} but Priority scheduling is not "
+                                      f"enabled.") and err["param"] == "priority", err
+
+
+def test_add_special_tokens_is_served_on_chat_completions_and_tokenize(server):
+    """vLLM's add_special_tokens: chat's default false (the template wrote them), true for a
+    completion's text prompt; chat's value reaches the tokenizer as /tokenize's does (the demo
+    tokenizer adds none, so the counts agree either way; the next test shows the value used)."""
+    msgs = {"messages": ASK}
+    for flag in (True, False):
+        count = _post(server, "/tokenize", {**msgs, "add_special_tokens": flag}).json()["count"]
+        r = _post(server, "/v1/chat/completions", {**msgs, "max_tokens": 2,
+                                                   "add_special_tokens": flag})
+        assert r.status_code == 200 and r.json()["usage"]["prompt_tokens"] == count, r.text
+        r = _post(server, "/v1/completions", {"prompt": "hi", "max_tokens": 2,
+                                              "add_special_tokens": flag})
+        assert r.status_code == 200, r.text
+
+
+BOS = 99_999  # no id of the demo vocabulary
+
+
+class _BosTokenizer:
+    """The demo tokenizer, with a BOS token that encode adds as a Llama-style one does."""
+
+    def __init__(self, tok):
+        self._tok = tok
+
+    def __getattr__(self, name):
+        return getattr(self._tok, name)
+
+    def encode(self, text, add_special_tokens=True):
+        return [BOS] * add_special_tokens + self._tok.encode(text, add_special_tokens=False)
+
+
+def test_add_special_tokens_decides_whether_the_rendered_chat_gets_a_bos(demo_model_dir):
+    """The serving path itself (no engine): the rendered chat is encoded with the request's
+    add_special_tokens (default false), /tokenize's messages too (default false), its prompt
+    with true by default."""
+    from transformers import AutoTokenizer
+
+    from epserve.deploy.openai_models import ChatCompletionRequest, validate
+    from epserve.deploy.serving import ModelInfo, OpenAIServing
+    from epserve.head.limits import RequestLimits
+
+    tok = _BosTokenizer(AutoTokenizer.from_pretrained(str(demo_model_dir)))
+    serving = OpenAIServing(None, tok, ModelInfo("demo", "", 4096, len(tok._tok),
+                                                 RequestLimits()), metrics=None)
+
+    def chat_ids(**kw):
+        req = validate(ChatCompletionRequest, {"messages": ASK, **kw})
+        return asyncio.run(serving.render_chat(req)).ids
+
+    def tokenized(**kw):
+        return asyncio.run(serving.tokenize(kw))["tokens"]
+
+    plain = chat_ids()
+    assert BOS not in plain and chat_ids(add_special_tokens=True) == [BOS] + plain
+    assert chat_ids(add_special_tokens=False) == plain
+    assert tokenized(messages=ASK) == plain
+    assert tokenized(messages=ASK, add_special_tokens=True) == [BOS] + plain
+    assert tokenized(prompt="hi")[0] == BOS
+    assert BOS not in tokenized(prompt="hi", add_special_tokens=False)
