@@ -41,6 +41,10 @@ class Fanout:
         for i, out in enumerate(self.firsts):
             yield i, out
         live = [i for i, out in enumerate(self.firsts) if not out.finished]
+        if len(live) == 1:  # one prompt (most requests): read it directly, no task and queue
+            async for out in self._streams[live[0]]:
+                yield live[0], out
+            return
         queue: asyncio.Queue = asyncio.Queue()
         self._tasks = [asyncio.create_task(self._pump(i, queue)) for i in live]
         remaining = len(live)
