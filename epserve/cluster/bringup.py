@@ -23,9 +23,10 @@ import ipaddress
 import logging
 import os
 import secrets
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from epserve.cluster.engine_args import EngineArgs, check_model_path
+if TYPE_CHECKING:  # imported where used: every worker process imports this module (its hook)
+    from epserve.cluster.engine_args import EngineArgs
 
 log = logging.getLogger(__name__)
 
@@ -58,9 +59,7 @@ def init_ray(num_cpus: int | None = None) -> None:
     _require_token()
     # listeners this process had before (an app embedding the LLM) are not the cluster's
     before = cluster_listeners()
-    ray.init(address="local", namespace=NAMESPACE, include_dashboard=False,
-             num_cpus=num_cpus, _node_ip_address="127.0.0.1", log_to_driver=False,
-             runtime_env={"worker_process_setup_hook": f"{__name__}.loopback_grpc_hook"})
+    _start_local_cluster(num_cpus)
     open_ = [s for s in cluster_listeners() if s not in before and not _is_loopback(s[0])]
     if open_:
         ray.shutdown()
@@ -69,6 +68,30 @@ def init_ray(num_cpus: int | None = None) -> None:
         raise RuntimeError(f"the local Ray cluster listened beyond loopback ({shown}), so it "
                            f"was shut down: this Ray version binds differently from the one "
                            f"epserve/cluster/bringup.py was written for")
+
+
+def _start_local_cluster(num_cpus: int | None) -> None:
+    """``ray.init`` of a local cluster whose every worker process runs ``loopback_grpc_hook``.
+
+    The hook goes in the environment the cluster's processes inherit from this one (the variable
+    Ray's ``runtime_env={"worker_process_setup_hook": ...}`` sets for a worker), not as the job's
+    runtime_env: a worker of a job runtime_env is started afresh for every actor and task
+    instead of taken from the pool Ray keeps started, ~0.8 s more per actor (the head, each EP
+    rank, each Serve replica). Set while the cluster starts, then dropped: processes this one
+    starts later (a subprocess's own cluster) get nothing of it."""
+    import ray
+    from ray._private.ray_constants import WORKER_PROCESS_SETUP_HOOK_ENV_VAR as hook_env
+
+    previous = os.environ.get(hook_env)
+    os.environ[hook_env] = f"{__name__}.loopback_grpc_hook"
+    try:
+        ray.init(address="local", namespace=NAMESPACE, include_dashboard=False,
+                 num_cpus=num_cpus, _node_ip_address="127.0.0.1", log_to_driver=False)
+    finally:
+        if previous is None:
+            os.environ.pop(hook_env, None)
+        else:
+            os.environ[hook_env] = previous
 
 
 def _bind_to_loopback() -> None:
@@ -186,6 +209,7 @@ def start_head(args: EngineArgs, name: str = HEAD_NAME, timeout_s: float = 600.0
     from ray.util.placement_group import placement_group
     from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
+    from epserve.cluster.engine_args import check_model_path
     from epserve.cluster.ep_group import bundle
     from epserve.cluster.head_actor import HeadActor
 
