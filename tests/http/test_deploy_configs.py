@@ -4,6 +4,7 @@ engine dies, /health and requests answer 503 instead of hanging."""
 
 from __future__ import annotations
 
+import contextlib
 import os
 import shutil
 import signal
@@ -75,6 +76,19 @@ def _stop(proc: subprocess.Popen | None, sig: int, grace_s: float) -> None:
         proc.wait(10)
 
 
+@contextlib.contextmanager
+def _ctrl_c_as_in_a_terminal():
+    """Processes started meanwhile get SIGINT as a terminal gives it (a KeyboardInterrupt).
+    This process may ignore SIGINT (a shell's background job does, and so may a CI runner's),
+    and an ignored signal stays ignored across exec: `serve run` then never saw its Ctrl-C
+    (sat out the whole wait, then the 30 s drain)."""
+    previous = signal.signal(signal.SIGINT, signal.default_int_handler)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGINT, previous)
+
+
 @pytest.fixture
 def own_cluster(tmp_path):
     """A Ray head of its own (`ray start --block`, loopback, private temp dir) for a
@@ -139,8 +153,9 @@ def test_serve_run_serves_the_yaml_then_reports_a_dead_engine(own_cluster, demo_
     cfg.write_text(yaml.safe_dump(raw))
     base = f"http://127.0.0.1:{port}"
     log = open(tmp_path / "serve-run.log", "w")
-    proc = subprocess.Popen([str(BIN / "serve"), "run", "-a", own_cluster, str(cfg)],
-                            stdout=log, stderr=subprocess.STDOUT, env=_env(), cwd=ROOT)
+    with _ctrl_c_as_in_a_terminal():
+        proc = subprocess.Popen([str(BIN / "serve"), "run", "-a", own_cluster, str(cfg)],
+                                stdout=log, stderr=subprocess.STDOUT, env=_env(), cwd=ROOT)
     killer = _head_killer(own_cluster, "epserve-head")
     try:
         def up():
@@ -167,9 +182,8 @@ def test_serve_run_serves_the_yaml_then_reports_a_dead_engine(own_cluster, demo_
             "prompt": "Hi", "max_tokens": 2, "stream": True})
         assert r.status_code == 503 and r.json()["error"]["code"] == "engine_unavailable"
     finally:
-        # Ctrl-C: `serve run` shuts Serve down (~2 s). In full runs it now and then never saw
-        # the signal (no "Got KeyboardInterrupt" in its log) and sat out the whole wait: one
-        # that has not exited within 10 s is killed, and its cluster goes next anyway
+        # Ctrl-C: `serve run` shuts Serve down (~2 s); one that has not exited within 10 s is
+        # killed, and its cluster goes next anyway
         _stop(proc, signal.SIGINT, 10)
         _stop(killer, signal.SIGKILL, 10)
         log.close()
