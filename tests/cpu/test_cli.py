@@ -126,37 +126,65 @@ def test_generate_chat_uses_the_chat_template(env, demo):
     assert proc.stdout == want.text + "\n"
 
 
-def test_text_prompt_on_a_checkpoint_without_tokenizer(env, qwen3_ckpt):
-    line = _one_error_line(_run(env, "generate", "--model", str(qwen3_ckpt), "Hello"))
-    assert str(qwen3_ckpt) in line and "no tokenizer" in line and "--tokenizer" in line
-
-
-@pytest.mark.parametrize("args, want", [
+BAD_OPTIONS = [
     (["--temperature", "-1"], "SamplingParams.temperature"),
     (["--max-tokens", "0"], "SamplingParams.max_tokens"),
     (["--top-p", "0"], "SamplingParams.top_p"),
     (["--ep-size", "3"], "num_experts=16 is not divisible by world_size=3"),
     (["--device", "foo"], "device='foo'"),
     (["--block-size", "0"], "block_size must be a positive integer"),
-])
-def test_bad_option_exits_2_naming_it(env, args, want):
-    line = _one_error_line(_run(env, "generate", *args, "Hello"))
+]
+
+
+@pytest.fixture(scope="module")
+def refused(env, qwen3_ckpt, tmp_path_factory) -> dict:
+    """The commands the tests below expect refused, started together when the first of those
+    tests runs (each spends ~1.5 s importing before it fails; this process computes on one
+    core); each test reads its own command's outcome."""
+    missing = tmp_path_factory.mktemp("cli") / "nonexistent"
+    runs = {
+        "no tokenizer": (qwen3_ckpt, _start(env, "generate", "--model", str(qwen3_ckpt),
+                                            "Hello")),
+        "missing folder": (missing, _start(env, "generate", "--model", str(missing), "Hello",
+                                           script=True)),
+        "empty prompt": (None, _start(env, "generate", "--max-tokens", "4", "")),
+        "serve missing model": (None, _start(env, "serve", "--model", "/nonexistent/ckpt",
+                                             script=True)),
+    }
+    for args, _ in BAD_OPTIONS:
+        runs[" ".join(args)] = (None, _start(env, "generate", *args, "Hello"))
+    yield runs
+    for _, proc in runs.values():
+        if proc.poll() is None:  # a test failed before reading it
+            proc.kill()
+            proc.communicate()
+
+
+def test_text_prompt_on_a_checkpoint_without_tokenizer(refused):
+    ckpt, proc = refused["no tokenizer"]
+    line = _one_error_line(_done(proc))
+    assert str(ckpt) in line and "no tokenizer" in line and "--tokenizer" in line
+
+
+@pytest.mark.parametrize("args, want", BAD_OPTIONS)
+def test_bad_option_exits_2_naming_it(refused, args, want):
+    line = _one_error_line(_done(refused[" ".join(args)][1]))
     assert want in line
 
 
-def test_missing_model_folder_exits_2_naming_it(env, tmp_path):
-    missing = tmp_path / "nonexistent"
-    line = _one_error_line(_run(env, "generate", "--model", str(missing), "Hello", script=True))
+def test_missing_model_folder_exits_2_naming_it(refused):
+    missing, proc = refused["missing folder"]
+    line = _one_error_line(_done(proc))
     assert str(missing) in line
 
 
-def test_empty_prompt_exits_2(env):
-    line = _one_error_line(_run(env, "generate", "--max-tokens", "4", ""))
+def test_empty_prompt_exits_2(refused):
+    line = _one_error_line(_done(refused["empty prompt"][1]))
     assert "prompt" in line and "empty" in line
 
 
-def test_serve_with_a_missing_model_exits_2_naming_it(env):
-    line = _one_error_line(_run(env, "serve", "--model", "/nonexistent/ckpt", script=True))
+def test_serve_with_a_missing_model_exits_2_naming_it(refused):
+    line = _one_error_line(_done(refused["serve missing model"][1]))
     assert "/nonexistent/ckpt" in line
 
 
