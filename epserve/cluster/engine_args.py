@@ -14,7 +14,7 @@ import dataclasses
 import json
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Sequence
+from typing import TYPE_CHECKING, Any, Sequence
 
 from epserve.head.engine import Engine, EngineConfig
 from epserve.head.limits import RequestLimits
@@ -24,8 +24,10 @@ from epserve.head.scheduler import SchedulerConfig
 from epserve.models.config import CheckpointError, ModelConfig
 from epserve.models.sampling_rules import resolve_max_logprobs
 from epserve.worker.ep_results import max_logprobs_in_frame
-from epserve.worker.runner import RunnerConfig
-from epserve.worker.step_model import StepModel
+
+if TYPE_CHECKING:  # imported where used: the ingress and the CLI's checks load no torch
+    from epserve.worker.runner import RunnerConfig
+    from epserve.worker.step_model import StepModel
 
 
 #: How the EP ranks' placement group may be laid out on the Ray cluster (Ray's strategies).
@@ -167,6 +169,8 @@ class EngineArgs:
         return cls(**d)
 
     def runner_config(self) -> RunnerConfig:
+        from epserve.worker.runner import RunnerConfig
+
         assert self.model is not None, "call resolved() first"
         return RunnerConfig(
             model=self.model, dtype=self.dtype, device=self.device,
@@ -271,6 +275,8 @@ def eos_token_ids(path: str, config_eos: Sequence[int], tok: Any) -> frozenset[i
 def build_engine(args: EngineArgs, runner: Any = None) -> tuple[Engine, Any, Any]:
     """(engine, runner, tokenizer-or-None) for resolved ``args``; ``runner`` overrides the
     default one-rank ``StepModel`` (the EP group passes its N-rank one)."""
+    from epserve.worker.step_model import StepModel
+
     args = args.resolved()
     if runner is None:
         if args.ep_size != 1:
@@ -312,6 +318,9 @@ def build_draft(args: EngineArgs, spec: SpeculativeConfig, target: Any) -> StepM
     (``head.draft_proposer`` says why there): its own KV cache, in what
     ``gpu_memory_utilization`` + 0.05 of the GPU leaves after the target (CUDA). ``ValueError``
     naming the key when it cannot draft for ``target``."""
+    from epserve.worker.runner import RunnerConfig
+    from epserve.worker.step_model import StepModel
+
     assert spec.model is not None
     try:
         check_model_path(spec.model)
