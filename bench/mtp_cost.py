@@ -15,6 +15,7 @@ the proposer time what drafting costs. Prints a table last.
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import sys
 import tempfile
@@ -31,7 +32,7 @@ from shapes import SHAPES, shape
 def _llm(folder: Path, k: int) -> LLM:
     spec = None if k == 0 else {"method": "mtp", "num_speculative_tokens": k}
     return LLM(model=str(folder), dtype="bfloat16", load_format="dummy", device="cuda",
-               max_model_len=2048, speculative_config=spec)
+               max_model_len=2048, num_kv_blocks=512, speculative_config=spec)
 
 
 def _timed_drafts(llm: LLM) -> list[float]:
@@ -73,7 +74,8 @@ def main(argv: list[str] | None = None) -> int:
         drafts = sorted(took[1:])  # the prefill step's call left out
         rows.append((k, steps[len(steps) // 2],
                      drafts[len(drafts) // 2] if drafts else None))
-        del llm
+        del llm, took
+        gc.collect()  # the engine's cycles hold its weights until collected
         torch.cuda.empty_cache()
     print(f"\nmodel: {args.model_shape} shape, {cfg['num_hidden_layers']} layers + 1 MTP layer, "
           f"random bf16 (drafts rejected: every speculative step verifies k + 1 positions)")
