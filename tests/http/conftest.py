@@ -7,7 +7,8 @@ from pathlib import Path
 
 import pytest
 from serverkit import (API_KEY, APP_NAME, BODY_READ_TIMEOUT_S, HEADER_READ_TIMEOUT_S, HEAD_NAME,
-                       Server, delete_app, free_port, wait_for)
+                       Server, delete_app, free_port, plan_side_apps, side_app, side_app_base,
+                       stop_side_heads)
 
 
 _HERE = Path(__file__).parent
@@ -43,7 +44,7 @@ def pytest_runtest_teardown(item, nextitem):
 
 
 @pytest.fixture(scope="session")
-def server(ray_cluster, demo_model_dir) -> Server:
+def server(ray_cluster, demo_model_dir, request) -> Server:
     from ray import serve
 
     from epserve.cluster.bringup import stop_head
@@ -58,6 +59,9 @@ def server(ray_cluster, demo_model_dir) -> Server:
     _CLEANUPS.append(lambda: stop_head(HEAD_NAME))
     _CLEANUPS.append(serve.shutdown)
     serve.run(app, name=APP_NAME, route_prefix="/", blocking=False)
+    # the first app beside it that the selected tests use starts now (serverkit.side_app)
+    _CLEANUPS.insert(0, stop_side_heads)  # after serve.shutdown
+    plan_side_apps(request.session.items, request.getfixturevalue)
     yield Server(f"http://127.0.0.1:{port}", "demo", API_KEY)
     _cleanup()
 
@@ -81,31 +85,32 @@ SCRIPTED_APP, SCRIPTED_HEAD, SCRIPTED_PREFIX = ("epserve-http-scripted", "epserv
                                                 "/scripted")
 
 
+def _scripted_config(getfixture) -> dict:
+    from scripted_model import build
+
+    ckpt = build(getfixture("tmp_path_factory").mktemp("scripted") / "model",
+                 getfixture("demo_model_dir"))
+    return {"model": str(ckpt), "dtype": "float32", "seed": 0, "max_num_seqs": 8,
+            "served_model_name": "scripted", "api_key": API_KEY, "head_name": SCRIPTED_HEAD,
+            "enable_auto_tool_choice": True, "tool_call_parser": "hermes",
+            "reasoning_parser": "qwen3", "return_tokens_as_token_ids": True,
+            "max_logprobs": -1}
+
+
+side_app("scripted_server", SCRIPTED_APP, SCRIPTED_PREFIX, _scripted_config)
+
+
 @pytest.fixture(scope="session")
-def scripted_server(server, demo_model_dir, tmp_path_factory) -> Server:
+def scripted_server(server, request) -> Server:
     """A second app beside ``server``, under /scripted: the scripted model (scripted_model.py:
     its greedy text is a script) served as ``epserve serve --enable-auto-tool-choice
     --tool-call-parser hermes --reasoning-parser qwen3 --return-tokens-as-token-ids
     --max-logprobs -1`` would."""
-    import requests
-    from ray import serve
-    from scripted_model import build
-
     from epserve.cluster.bringup import stop_head
-    from epserve.deploy.app import build_app
 
-    ckpt = build(tmp_path_factory.mktemp("scripted") / "model", demo_model_dir)
-    app = build_app({"model": str(ckpt), "dtype": "float32", "seed": 0, "max_num_seqs": 8,
-                     "served_model_name": "scripted", "api_key": API_KEY,
-                     "head_name": SCRIPTED_HEAD, "enable_auto_tool_choice": True,
-                     "tool_call_parser": "hermes", "reasoning_parser": "qwen3",
-                     "return_tokens_as_token_ids": True, "max_logprobs": -1})
     _CLEANUPS.append(lambda: stop_head(SCRIPTED_HEAD))
     _CLEANUPS.append(lambda: delete_app(SCRIPTED_APP))  # runs first: the app, then its head
-    serve.run(app, name=SCRIPTED_APP, route_prefix=SCRIPTED_PREFIX, blocking=False)
-    base = server.base + SCRIPTED_PREFIX
-    assert wait_for(lambda: requests.get(f"{base}/health", timeout=10).status_code == 200,
-                    timeout_s=240), "the scripted app never became healthy"
+    base = side_app_base("scripted_server", server, request.getfixturevalue, "the scripted app")
     yield Server(base, "scripted", API_KEY)
 
 

@@ -9,12 +9,12 @@ for what it was sent (a second app beside the shared one, as ``epserve serve --n
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import re
 
 import pytest
 import requests
-from serverkit import API_KEY, Server, delete_app, metric, scrape, wait_for
+from serverkit import (API_KEY, Server, metric, remove_side_app, scrape, side_app,
+                       side_app_base, wait_for)
 
 SMALL_APP, SMALL_HEAD, SMALL_PREFIX = ("epserve-http-small-kv", "epserve-head-small-kv",
                                        "/smallkv")
@@ -71,29 +71,21 @@ def test_time_per_output_token_moves_with_a_stream(server, client):
             metric(after, n + "_count", engine="0")
 
 
+def _small_kv_config(getfixture) -> dict:
+    return {"model": str(getfixture("demo_model_dir")), "dtype": "float32", "seed": 0,
+            "served_model_name": "small-kv", "api_key": API_KEY, "head_name": SMALL_HEAD,
+            "num_kv_blocks": 12, "block_size": 4, "enable_prefix_caching": False}
+
+
+side_app("small_kv_server", SMALL_APP, SMALL_PREFIX, _small_kv_config)
+
+
 @pytest.fixture(scope="module")
-def small_kv_server(server, demo_model_dir) -> Server:
-    from ray import serve
-    from ray.serve.exceptions import RayServeException
-
-    from epserve.cluster.bringup import stop_head
-    from epserve.deploy.app import build_app
-
-    app = build_app({"model": str(demo_model_dir), "dtype": "float32", "seed": 0,
-                     "served_model_name": "small-kv", "api_key": API_KEY,
-                     "head_name": SMALL_HEAD, "num_kv_blocks": 12, "block_size": 4,
-                     "enable_prefix_caching": False})
-    serve.run(app, name=SMALL_APP, route_prefix=SMALL_PREFIX, blocking=False)
-    try:
-        base = server.base + SMALL_PREFIX
-        assert wait_for(lambda: requests.get(f"{base}/health", timeout=10).status_code == 200,
-                        timeout_s=240), "the small-KV app never became healthy"
-        yield Server(base, "small-kv", API_KEY)
-    finally:  # this module's engine goes with it: the app (unless Serve has already gone,
-        # after the last HTTP test), then its head
-        with contextlib.suppress(RayServeException):
-            delete_app(SMALL_APP)
-        stop_head(SMALL_HEAD)
+def small_kv_server(server, request) -> Server:
+    base = side_app_base("small_kv_server", server, request.getfixturevalue,
+                         "the small-KV app")
+    yield Server(base, "small-kv", API_KEY)
+    remove_side_app("small_kv_server")  # this module's engine goes with it
 
 
 def test_num_preemptions_counts_what_a_small_kv_pool_forces(small_kv_server):

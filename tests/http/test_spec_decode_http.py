@@ -15,7 +15,8 @@ import json
 import openai
 import pytest
 import requests
-from serverkit import API_KEY, Server, delete_app, metric, scrape, wait_for
+from serverkit import (API_KEY, Server, metric, remove_side_app, scrape, side_app,
+                       side_app_base, wait_for)
 
 SPEC_APP, SPEC_HEAD, SPEC_PREFIX = ("epserve-http-spec", "epserve-head-spec", "/spec")
 K = 3
@@ -34,36 +35,30 @@ TOKEN_PROMPT = [17, 42, 99, 17, 42, 99, 17, 42, 99, 17, 42]
 MAX_TOKENS = 40
 
 
-@pytest.fixture(scope="module")
-def spec_server(server, demo_model_dir) -> Server:
+def _spec_config(getfixture):
     """The demo model as ``epserve serve --dtype float32 --seed 0 --speculative-config ...``
-    serves it (the flags parsed by the CLI's own parser), under /spec beside ``server``."""
-    from ray import serve
-    from ray.serve.exceptions import RayServeException
-
-    from epserve.cluster.bringup import stop_head
-    from epserve.deploy.app import build_app
+    serves it (the flags parsed by the CLI's own parser)."""
     from epserve.deploy.cli import _parser
     from epserve.deploy.server import config_from_args
 
     args = _parser().parse_args([
-        "serve", "--model", str(demo_model_dir), "--dtype", "float32", "--seed", "0",
-        "--served-model-name", "demo-spec", "--api-key", API_KEY,
+        "serve", "--model", str(getfixture("demo_model_dir")), "--dtype", "float32", "--seed",
+        "0", "--served-model-name", "demo-spec", "--api-key", API_KEY,
         "--speculative-config", json.dumps(SPEC_CONFIG)])
-    cfg = dataclasses.replace(config_from_args(args), head_name=SPEC_HEAD)
-    assert cfg.engine.speculative_config == SPEC_CONFIG
-    serve.run(build_app(cfg), name=SPEC_APP, route_prefix=SPEC_PREFIX, blocking=False)
-    base = server.base + SPEC_PREFIX
-    try:
-        assert wait_for(lambda: requests.get(f"{base}/health", timeout=10).status_code == 200,
-                        timeout_s=240), "the speculative app never became healthy"
-        yield Server(base, "demo-spec", API_KEY)
-    finally:
-        try:
-            delete_app(SPEC_APP)
-        except RayServeException:  # the HTTP tests' last teardown already shut Serve down
-            pass
-        stop_head(SPEC_HEAD)
+    return dataclasses.replace(config_from_args(args), head_name=SPEC_HEAD)
+
+
+side_app("spec_server", SPEC_APP, SPEC_PREFIX, _spec_config)
+
+
+@pytest.fixture(scope="module")
+def spec_server(server, request) -> Server:
+    """The speculative app (``_spec_config``), under /spec beside ``server``."""
+    base = side_app_base("spec_server", server, request.getfixturevalue,
+                         "the speculative app")
+    assert _spec_config(request.getfixturevalue).engine.speculative_config == SPEC_CONFIG
+    yield Server(base, "demo-spec", API_KEY)
+    remove_side_app("spec_server")
 
 
 @pytest.fixture(scope="module")

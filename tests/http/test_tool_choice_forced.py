@@ -20,9 +20,8 @@ import anthropic
 import jsonschema
 import openai
 import pytest
-import requests
 from scripted_model import TEMPLATE
-from serverkit import API_KEY, Server, delete_app, wait_for
+from serverkit import API_KEY, Server, remove_side_app, side_app, side_app_base
 
 APP, HEAD, PREFIX = "epserve-http-forced", "epserve-head-forced", "/forced"
 WEATHER = {"type": "object", "properties": {
@@ -46,33 +45,27 @@ ASK = [{"role": "user", "content": "What is the weather in Paris?"}]
 NAMED = {"type": "function", "function": {"name": "get_weather"}}
 
 
-@pytest.fixture(scope="module")
-def forced_server(server, demo_model_dir, tmp_path_factory) -> Server:
+def _forced_config(getfixture) -> dict:
     """The demo model behind a template that renders tools, served without the tool flags."""
-    from ray import serve
-    from ray.serve.exceptions import RayServeException
-
-    from epserve.cluster.bringup import stop_head
-    from epserve.deploy.app import build_app
-
-    folder = tmp_path_factory.mktemp("forced") / "model"
-    shutil.copytree(demo_model_dir, folder)
+    folder = getfixture("tmp_path_factory").mktemp("forced") / "model"
+    shutil.copytree(getfixture("demo_model_dir"), folder)
     cfg_path = folder / "tokenizer_config.json"
     cfg = json.loads(cfg_path.read_text())
     cfg["chat_template"] = TEMPLATE
     cfg_path.write_text(json.dumps(cfg))
-    app = build_app({"model": str(folder), "dtype": "float32", "seed": 0, "max_num_seqs": 8,
-                     "served_model_name": "forced", "api_key": API_KEY, "head_name": HEAD})
-    serve.run(app, name=APP, route_prefix=PREFIX, blocking=False)
-    base = server.base + PREFIX
-    assert wait_for(lambda: requests.get(f"{base}/health", timeout=10).status_code == 200,
-                    timeout_s=240), "the forced app never became healthy"
+    return {"model": str(folder), "dtype": "float32", "seed": 0, "max_num_seqs": 8,
+            "served_model_name": "forced", "api_key": API_KEY, "head_name": HEAD}
+
+
+side_app("forced_server", APP, PREFIX, _forced_config)
+
+
+@pytest.fixture(scope="module")
+def forced_server(server, request) -> Server:
+    """The demo model behind a template that renders tools, served without the tool flags."""
+    base = side_app_base("forced_server", server, request.getfixturevalue, "the forced app")
     yield Server(base, "forced", API_KEY)
-    try:
-        delete_app(APP)
-    except RayServeException:  # the session's cleanup shut Serve, and every app, down first
-        pass
-    stop_head(HEAD)
+    remove_side_app("forced_server")
 
 
 @pytest.fixture(scope="module")

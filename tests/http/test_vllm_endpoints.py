@@ -12,7 +12,7 @@ import time
 
 import pytest
 import requests
-from serverkit import API_KEY, HEAD_NAME, delete_app, wait_for
+from serverkit import API_KEY, HEAD_NAME, remove_side_app, side_app, side_app_base, wait_for
 
 import epserve
 
@@ -108,29 +108,24 @@ def test_tokenizer_info_is_the_tokenizers_configuration(server, demo_model_dir):
     assert again.json() == info
 
 
+def _no_tokenizer_config(getfixture) -> dict:
+    return {"model": str(getfixture("qwen3_ckpt")), "dtype": "float32",
+            "served_model_name": "tiny", "api_key": API_KEY, "head_name": NO_TOKENIZER_HEAD,
+            "max_num_seqs": 4}
+
+
+side_app("no_tokenizer_app", NO_TOKENIZER_APP, NO_TOKENIZER_PREFIX, _no_tokenizer_config)
+
+
 @pytest.fixture
-def no_tokenizer_app(server, qwen3_ckpt):
+def no_tokenizer_app(server, request):
     """A second app on the same Serve proxy: a checkpoint that ships no tokenizer, under a
     route prefix, with its own engine."""
-    from ray import serve
-
-    from epserve.cluster.bringup import stop_head
-    from epserve.deploy.app import build_app
-
-    app = build_app({"model": str(qwen3_ckpt), "dtype": "float32", "served_model_name": "tiny",
-                     "api_key": API_KEY, "head_name": NO_TOKENIZER_HEAD, "max_num_seqs": 4})
     try:
-        serve.run(app, name=NO_TOKENIZER_APP, route_prefix=NO_TOKENIZER_PREFIX, blocking=False)
-        base = server.base + NO_TOKENIZER_PREFIX
-        assert wait_for(lambda: requests.get(f"{base}/health", timeout=10).status_code == 200,
-                        timeout_s=240), "the tokenizer-less app never became healthy"
-        yield base
+        yield side_app_base("no_tokenizer_app", server, request.getfixturevalue,
+                            "the tokenizer-less app")
     finally:
-        try:
-            delete_app(NO_TOKENIZER_APP)
-        except Exception:  # Serve already went with the session's server (the last test)
-            pass
-        stop_head(NO_TOKENIZER_HEAD)  # detached: stopped whatever happened
+        remove_side_app("no_tokenizer_app")  # its head is detached: stopped whatever happened
 
 
 def test_tokenizer_info_of_a_model_without_tokenizer_is_a_clear_400(server, no_tokenizer_app):
