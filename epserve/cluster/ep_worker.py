@@ -12,7 +12,7 @@ import os
 import threading
 from typing import Any
 
-from epserve.cluster.cpu_threads import set_engine_threads
+from epserve.cluster.cpu_threads import freeze_heap, set_engine_threads
 from epserve.cluster.engine_args import EngineArgs
 
 log = logging.getLogger("epserve.ep_worker")
@@ -48,6 +48,7 @@ class EpWorker:
         comm = EpComm(self.rank, self.world_size, mc.num_experts, group, cpu_group)
         runner = Runner(cfg, ParallelInfo(self.rank, self.world_size, comm))
         self.executor = RankExecutor(runner, comm, self.rank, self.world_size)
+        freeze_heap()
         return {"rank": self.rank, "num_blocks": runner.num_blocks, "pid": os.getpid()}
 
     def start(self) -> None:

@@ -23,7 +23,7 @@ import threading
 import time
 from typing import Any
 
-from epserve.cluster.cpu_threads import set_engine_threads
+from epserve.cluster.cpu_threads import freeze_heap, set_engine_threads
 from epserve.cluster.engine_args import EngineArgs, build_engine
 from epserve.head.async_engine import AsyncEngine, Outbox
 from epserve.head.output_stream import Submission, encode_records
@@ -57,6 +57,7 @@ class HeadActor:
         self.aengine = AsyncEngine(self.engine, recoverable=self.args.ep_size > 1)
         if self.args.ep_size > 1:
             threading.Thread(target=self._watch, name="epserve-watchdog", daemon=True).start()
+        freeze_heap()
 
     def _build(self) -> tuple[Any, Any, Any]:
         """A new engine (and, with EP, a new group of ranks)."""
@@ -114,6 +115,7 @@ class HeadActor:
         finally:
             self._reforming = False
             _release_memory()
+            freeze_heap()
 
     # ------------------------------------------------------------------ client calls
 
@@ -265,7 +267,9 @@ class HeadActor:
 
 def _release_memory() -> None:
     """Give the old engine's memory back after a re-form: its model and KV cache are garbage
-    now, but glibc keeps freed heap pages unless asked (RSS grew ~200 MB per re-form)."""
+    now, but glibc keeps freed heap pages unless asked (RSS grew ~200 MB per re-form). The
+    old engine was frozen with the heap (``freeze_heap``): unfrozen first, or its cycles stay."""
+    gc.unfreeze()
     gc.collect()
     try:
         ctypes.CDLL("libc.so.6").malloc_trim(0)

@@ -149,11 +149,12 @@ class OpenAIIngress:
     """The HTTP edge, one per replica; every replica reaches the same named head."""
 
     async def __init__(self, config: dict[str, Any]):
-        from epserve.cluster.cpu_threads import normal_priority
+        from epserve.cluster.cpu_threads import freeze_heap, normal_priority
 
         normal_priority()  # the HTTP path is latency-bound: not below the clients it serves
         self.config = AppConfig.from_dict(config)
         self.serving, self.gate = await connect(self.config)
+        freeze_heap()
 
     def __serve_build_asgi_app__(self) -> FastAPI:
         return make_fastapi_app(self.serving, self.gate)

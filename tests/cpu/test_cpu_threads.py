@@ -1,4 +1,5 @@
-"""An engine actor's process on a CPU device: half the cores for torch, normal priority.
+"""An engine actor's process on a CPU device: half the cores for torch, normal priority; a
+serving process's start frozen out of the collector's generations.
 
 Run in a child process (started at nice 10, as Ray starts its workers at nice 15) so the test
 process's own thread pool and priority stay as they are."""
@@ -40,3 +41,33 @@ def test_cpu_engine_takes_half_the_cores_and_normal_priority():
 def test_fewer_threads_than_half_are_left_alone():
     got = _child("cpu", threads=1)
     assert got["after"] == 1
+
+
+FREEZE_CHILD = """
+import gc, json, weakref
+from epserve.cluster.cpu_threads import freeze_heap
+
+class Engine:  # what a serving process builds at start: objects in reference cycles
+    def __init__(self):
+        self.me = self
+old = Engine()
+ref = weakref.ref(old)
+freeze_heap()
+frozen = gc.get_freeze_count()
+gc.collect()
+kept = ref() is not None  # alive and referenced: a collection leaves it alone
+del old  # a rebuild drops it; its cycle is frozen with the heap
+gc.collect()
+leaked = ref() is not None  # the collector does not see it while frozen
+freeze_heap()  # the rebuilt process freezes again: the old cycle is collected first
+print(json.dumps({"frozen": frozen, "kept": kept, "leaked": leaked,
+                  "freed": ref() is None, "again": gc.get_freeze_count()}))
+"""
+
+
+def test_freeze_heap_hides_the_start_from_collections_and_releases_a_rebuilt_engine():
+    out = subprocess.run([sys.executable, "-c", FREEZE_CHILD], capture_output=True, text=True,
+                         timeout=120, check=True)
+    got = json.loads(out.stdout.strip().splitlines()[-1])
+    assert got["frozen"] > 1000 and got["kept"]
+    assert got["leaked"] and got["freed"] and got["again"] > 1000
