@@ -127,6 +127,8 @@ class Engine:
         automaton = StopAutomaton(params.stop)  # once per request: its n completions share it
         so = params.structured_outputs
         compiled = self.grammars.compile(so) if so is not None else None
+        tags = self.cfg.think_tags  # a thinking block the prompt closed never reopens either
+        closed = tags is not None and tags.last_tag(ids) == tags.end
         for i in range(params.n):
             seed = (_mix_seed(params.seed, i) if params.seed is not None
                     else self._rng.getrandbits(63))
@@ -137,7 +139,9 @@ class Engine:
                 include_stop_str_in_output=params.include_stop_str_in_output,
                 automaton=automaton)
             detok = IncrementalDetokenizer(self.tokenizer, ids, params.skip_special_tokens)
-            seq = Sequence(req, i, seed, stops, detok, think_tags=self.cfg.think_tags)
+            seq = Sequence(req, i, seed, stops, detok, think_tags=tags)
+            if closed:
+                seq.close_thinking()
             if compiled is not None:
                 seq.grammar = self.grammars.matcher(compiled)
                 self._gate_grammar(seq, so.enable_in_reasoning, ids)

@@ -64,8 +64,9 @@ class Sequence:
     sent_finish: bool = False
     grammar: Any = None  # head.grammar.SeqGrammar of a constrained sequence
     draft_state: Any = None  # the speculative proposer's, per sequence (written by the scheduler)
-    # a reasoning model's (engine's --reasoning-parser): the thinking tags; whether this row
-    # generated "</think>" (both tags are banned from then on); whether its grammar waits for
+    # a reasoning model's (engine's --reasoning-parser): the thinking tags; whether its
+    # thinking closed, by a "</think>" it generated or the prompt's last tag (both tags are
+    # banned from then on); whether its grammar waits for
     # the reasoning to end (it neither masks nor advances until then)
     think_tags: Any = None  # head.reasoning.ThinkTags
     thinking_closed: bool = False
@@ -95,8 +96,9 @@ class Sequence:
         return tuple(sorted(set(banned).union(self.think_tags.ids)))
 
     def close_thinking(self) -> None:
-        """The row generated ``</think>``: from its next token on, neither tag (one sampling
-        update to its rank, then nothing per step)."""
+        """The row's thinking closed (it generated ``</think>``, or its prompt ended the
+        block): from its next token on, neither tag (one sampling update to its rank, then
+        nothing per step)."""
         if not self.thinking_closed:
             self.thinking_closed = self._resample = True
 

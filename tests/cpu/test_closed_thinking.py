@@ -1,48 +1,25 @@
 """The closed-thinking mask (the seed's ``RowMask``) on the offline ``LLM`` with
 ``reasoning_parser="qwen3"``: once a row has generated ``</think>``, neither thinking tag is
-ever sampled again in that row, greedy and sampled, with speculative drafts too; without the
-parser the same model reopens its thinking. The model is the HTTP tests' scripted one
-(tests/http/scripted_model.py: its next token is a function of the last one) with one change:
-after ``</think>`` its script goes back to ``<think>``, so it would think forever."""
+ever sampled again in that row, greedy and sampled, with speculative drafts too, and the same
+when the prompt closed the block (``enable_thinking: false`` leaves ``<think>\n\n</think>``
+there); without the parser the same model reopens its thinking. The model
+(tests/looping_ckpt.py) would think forever: after ``</think>`` its script goes back to
+``<think>``. The seed's ``argmax_batch_masked`` (the trait's greedy pick under a ``RowMask``)
+picks around its mask. Under EP: tests/ray/test_closed_thinking_ep.py."""
 
 from __future__ import annotations
 
-import importlib.util
 from pathlib import Path
 
 import pytest
-from safetensors.torch import load_file, save_file
+from looping_ckpt import make_looping_checkpoint
 
 from epserve import LLM, SamplingParams
-
-_SCRIPTED = Path(__file__).resolve().parents[1] / "http" / "scripted_model.py"
-LOOP = ["<think>", "Hmm.", "</think>"]
-
-
-def _scripted_module():
-    spec = importlib.util.spec_from_file_location("scripted_model_for_cpu", _SCRIPTED)
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
 
 
 @pytest.fixture(scope="module")
 def looping(tmp_path_factory, demo_model_dir) -> Path:
-    """The scripted checkpoint whose ``</think>`` is followed by ``<think>`` (not the end)."""
-    sm = _scripted_module()
-    out = sm.make_scripted_checkpoint(tmp_path_factory.mktemp("looping"), demo_model_dir,
-                                      {"[[loop]]": LOOP}, ["Ok."], ["Ok!"])
-    from transformers import AutoTokenizer
-
-    tok = AutoTokenizer.from_pretrained(str(out))
-    start, end, eos = tok.convert_tokens_to_ids(["<think>", "</think>", sm.IM_END])
-    path = next(out.glob("*.safetensors"))
-    weights = load_file(str(path))
-    emb, head = weights["model.embed_tokens.weight"], weights["lm_head.weight"]
-    col = int(emb[end].argmax())  # "</think>"'s one-hot column
-    head[eos, col], head[start, col] = 0.0, 10.0
-    save_file(weights, str(path), metadata={"format": "pt"})
-    return out
+    return make_looping_checkpoint(tmp_path_factory.mktemp("looping"), demo_model_dir)
 
 
 def _after_close(llm: LLM, params: SamplingParams) -> list[tuple[list[int], list[int]]]:
@@ -79,6 +56,35 @@ def test_a_closed_thinking_block_never_reopens(looping, spec):
         for before, after in outs:
             assert before[0] == tags[0] and after, (before, after)  # it thought, then went on
             assert not set(tags) & set(after), after
+
+
+@pytest.mark.parametrize("parser", [None, "qwen3"])
+def test_a_block_the_prompt_closed_never_reopens(looping, parser):
+    llm = LLM(model=str(looping), dtype="float32", max_model_len=64, reasoning_parser=parser)
+    tok = llm.get_tokenizer()
+    tags = set(tok.convert_tokens_to_ids(["<think>", "</think>"]))
+    prompt = tok.encode("Hi<think>\n\n</think>", add_special_tokens=False)
+    greedy = SamplingParams(max_tokens=6, temperature=0, ignore_eos=True)
+    sampled = SamplingParams(max_tokens=6, temperature=1.0, n=4, seed=5, ignore_eos=True)
+    outs = [c.token_ids for p in (greedy, sampled)
+            for c in llm.generate({"prompt_token_ids": prompt}, p)[0].outputs]
+    if parser is None:  # the model's script reopens at once
+        assert outs[0][0] in tags, outs[0]
+    else:
+        assert all(len(o) == 6 and not tags & set(o) for o in outs), outs
+
+
+def test_argmax_batch_masked_picks_the_best_unmasked_token(looping):
+    import torch
+
+    from epserve.models.traits import ROW_MASK_NONE
+
+    llm = LLM(model=str(looping), dtype="float32", max_model_len=64)
+    logits = torch.tensor([[0.0, 3.0, 2.0, 1.0], [5.0, 4.0, 0.0, 0.0], [1.0, 0.0, 0.0, 2.0]])
+    masks = [(1, ROW_MASK_NONE), (0, 1), (ROW_MASK_NONE, ROW_MASK_NONE)]
+    model = llm.model
+    assert model.argmax_batch(logits) == [1, 0, 3]
+    assert model.argmax_batch_masked(logits, masks) == [2, 2, 3]
 
 
 def test_a_tokenizer_without_the_tags_is_refused_naming_the_option(demo_model_dir):
