@@ -13,6 +13,10 @@ it starts a local cluster, and that cluster is closed to the network:
   ``RAY_AUTH_MODE`` / ``RAY_AUTH_TOKEN`` / ``RAY_AUTH_TOKEN_PATH`` themselves;
 - no dashboard.
 
+Workers' output stays in Ray's log files (``log_to_driver`` off: Serve's controller, proxy and
+replicas log every deployment change, endpoint update and request there), except, for a driver
+that asks (``epserve serve``), the engine heads' own lines, printed as Ray would print them.
+
 The head is a named actor (one per name), so every ingress replica reaches the same engine;
 arguments cross as plain dicts.
 """
@@ -38,13 +42,18 @@ _CLUSTER_ENV = "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"
 _AUTH_MODE, _AUTH_TOKEN, _AUTH_TOKEN_PATH = "RAY_AUTH_MODE", "RAY_AUTH_TOKEN", "RAY_AUTH_TOKEN_PATH"
 # the token this module minted for the current local cluster: told apart from an operator's
 _minted_token: str | None = None
+# the actor name Ray gives a head's output (its class name: HeadActor has no __repr__)
+_HEAD_ACTOR = "HeadActor"
 
 
-def init_ray(num_cpus: int | None = None) -> None:
+def init_ray(num_cpus: int | None = None, engine_logs: bool = False) -> None:
     """Join ``RAY_ADDRESS``, or start a local cluster closed to the network (idempotent).
 
-    Raises RuntimeError (with the cluster shut down) when a process of the local cluster
-    listens on a non-loopback address."""
+    ``engine_logs``: print what the engine heads this driver starts write (their log lines:
+    each finished request, the periodic throughput / running / waiting / KV cache line,
+    errors) on this process's stderr / stdout, as vLLM's server prints its engine's; no other
+    worker's output. Raises RuntimeError (with the cluster shut down) when a process of the
+    local cluster listens on a non-loopback address."""
     import ray
 
     if ray.is_initialized():
@@ -53,13 +62,15 @@ def init_ray(num_cpus: int | None = None) -> None:
         # the operator's cluster: its networking and auth are theirs (the joining driver must
         # not pretend to be on 127.0.0.1 either, so nothing below applies)
         ray.init(address=os.environ["RAY_ADDRESS"], namespace=NAMESPACE,
-                 log_to_driver=False)
+                 log_to_driver=engine_logs)
+        if engine_logs:
+            _print_only_head_output()
         return
     _bind_to_loopback()
     _require_token()
     # listeners this process had before (an app embedding the LLM) are not the cluster's
     before = cluster_listeners()
-    _start_local_cluster(num_cpus)
+    _start_local_cluster(num_cpus, engine_logs)
     open_ = [s for s in cluster_listeners() if s not in before and not _is_loopback(s[0])]
     if open_:
         ray.shutdown()
@@ -70,7 +81,30 @@ def init_ray(num_cpus: int | None = None) -> None:
                            f"epserve/cluster/bringup.py was written for")
 
 
-def _start_local_cluster(num_cpus: int | None) -> None:
+def _print_only_head_output() -> None:
+    """Of the workers' output Ray forwards to this driver (``log_to_driver``: this job's
+    workers, and Ray's own processes), print only the heads'. Ray's printer is swapped for a
+    filter under its name, so ``ray.shutdown`` removes the filter as it would the printer.
+    Each line as Ray prints it, ``(HeadActor pid=N) <line>``, on the stream the head wrote it
+    to, without Ray's colours or de-duplication (one head: nothing to de-duplicate)."""
+    import sys
+
+    from ray._private.ray_logging import global_worker_stdstream_dispatcher as dispatcher
+
+    def head_only(data: dict[str, Any]) -> None:
+        if data.get("actor_name") != _HEAD_ACTOR:
+            return
+        where = "" if data.get("ip") == data.get("localhost") else f", ip={data.get('ip')}"
+        sink = sys.stderr if data.get("is_err") else sys.stdout
+        for line in data.get("lines", ()):
+            print(f"({_HEAD_ACTOR} pid={data.get('pid')}{where}) {line}", file=sink,
+                  flush=True)
+
+    dispatcher.remove_handler("ray_print_logs")
+    dispatcher.add_handler("ray_print_logs", head_only)
+
+
+def _start_local_cluster(num_cpus: int | None, engine_logs: bool = False) -> None:
     """``ray.init`` of a local cluster whose every worker process runs ``loopback_grpc_hook``.
 
     The hook goes in the environment the cluster's processes inherit from this one (the variable
@@ -86,7 +120,10 @@ def _start_local_cluster(num_cpus: int | None) -> None:
     os.environ[hook_env] = f"{__name__}.loopback_grpc_hook"
     try:
         ray.init(address="local", namespace=NAMESPACE, include_dashboard=False,
-                 num_cpus=num_cpus, _node_ip_address="127.0.0.1", log_to_driver=False)
+                 num_cpus=num_cpus, _node_ip_address="127.0.0.1",
+                 log_to_driver=engine_logs)
+        if engine_logs:
+            _print_only_head_output()
     finally:
         if previous is None:
             os.environ.pop(hook_env, None)

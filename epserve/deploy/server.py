@@ -102,7 +102,7 @@ def serve_main(args: argparse.Namespace) -> int:
     joined = bool(os.environ.get("RAY_ADDRESS")) or ray.is_initialized()
     if not joined:
         _check_port_free(args.host, args.port)
-    init_ray()
+    init_ray(engine_logs=True)  # the engine's lines (requests finished, the periodic one) here
     try:
         _say(f"loading {cfg.engine.model or 'the built-in demo model (random weights)'} ...")
         start_head(cfg.engine_args(), cfg.head_name)

@@ -22,25 +22,48 @@ sys.exit(serve_main(_parser().parse_args(sys.argv[1:])))
 """
 
 
-@pytest.mark.slow
-def test_serve_main_over_a_tokenizer_less_checkpoint(qwen3_ckpt, tmp_path):
-    port = free_port()
+def start_serve(tmp_path, *args: str) -> subprocess.Popen:
+    """`epserve serve ARGS` as a user starts it, its stdout and stderr in tmp_path; returned
+    once it printed its URL."""
     # what a user gets: no Ray auth settings of ours (epserve serve makes its own token)
     env = {k: v for k, v in os.environ.items() if k not in (
         "RAY_ADDRESS", "EPSERVE_API_KEY", "RAY_AUTH_MODE", "RAY_AUTH_TOKEN")}
     env.update(RAY_USAGE_STATS_ENABLED="0", PYTHONUNBUFFERED="1")
-    out = open(tmp_path / "stdout.log", "w")
-    err = open(tmp_path / "stderr.log", "w")
-    proc = subprocess.Popen(
-        [sys.executable, "-c", _MAIN, "serve", "--model", str(qwen3_ckpt), "--dtype", "float32",
-         "--port", str(port), "--served-model-name", "tiny", "--max-num-seqs", "8"],
-        stdout=out, stderr=err, env=env)
+    with open(tmp_path / "stdout.log", "w") as out, open(tmp_path / "stderr.log", "w") as err:
+        proc = subprocess.Popen([sys.executable, "-c", _MAIN, "serve", *args],
+                                stdout=out, stderr=err, env=env)
+
+    def up():
+        assert proc.poll() is None, (tmp_path / "stderr.log").read_text()[-3000:]
+        return "/v1 (" in (tmp_path / "stdout.log").read_text()
+    try:
+        assert wait_for(up, timeout_s=240, every_s=0.2), "never printed its URL"
+    except BaseException:
+        stop_serve(proc, tmp_path)
+        raise
+    return proc
+
+
+def stop_serve(proc: subprocess.Popen, tmp_path) -> tuple[int, str]:
+    """Ctrl-C (SIGINT), as a terminal sends it: the exit status and all it printed."""
+    if proc.poll() is None:
+        proc.send_signal(signal.SIGINT)
+    try:
+        rc = proc.wait(90)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        rc = proc.wait(10)
+    return rc, (tmp_path / "stderr.log").read_text() + (tmp_path / "stdout.log").read_text()
+
+
+@pytest.mark.slow
+def test_serve_main_over_a_tokenizer_less_checkpoint(qwen3_ckpt, tmp_path):
+    port = free_port()
+    proc = start_serve(tmp_path, "--model", str(qwen3_ckpt), "--dtype", "float32",
+                       "--port", str(port), "--served-model-name", "tiny",
+                       "--max-num-seqs", "8")
     base = f"http://127.0.0.1:{port}"
     try:
-        def up():
-            assert proc.poll() is None, (tmp_path / "stderr.log").read_text()[-3000:]
-            return f"{base}/v1" in (tmp_path / "stdout.log").read_text()
-        assert wait_for(up, timeout_s=240, every_s=0.2), "never printed its URL"
         r = requests.post(base + "/v1/completions", timeout=60, json={
             "model": "tiny", "prompt": [5, 6, 7], "max_tokens": 4, "temperature": 0,
             "logprobs": 1, "return_token_ids": True})
@@ -68,16 +91,7 @@ def test_serve_main_over_a_tokenizer_less_checkpoint(qwen3_ckpt, tmp_path):
             "model": "tiny", "prompt": [[1, 2], [320]], "max_tokens": 2})
         assert r.status_code == 400 and "not a token id" in r.json()["error"]["message"]
     finally:
-        if proc.poll() is None:
-            proc.send_signal(signal.SIGINT)  # Ctrl-C
-        try:
-            rc = proc.wait(90)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            rc = proc.wait(10)
-        out.close()
-        err.close()
-    said = (tmp_path / "stderr.log").read_text() + (tmp_path / "stdout.log").read_text()
+        rc, said = stop_serve(proc, tmp_path)
     assert rc == 0, said[-3000:]
     # Ctrl-C ends quietly: no Ray task-failure noise, no traceback
     assert "graceful_shutdown" not in said and "Traceback" not in said, said[-3000:]
