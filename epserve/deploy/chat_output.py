@@ -165,8 +165,9 @@ class ChoiceParser:
         piece = self.feed(text)
         return (piece.add(self.finish()) if finished else piece).delta()
 
-    def message(self, text: str, prefix: str = "") -> dict[str, Any]:
-        """A whole text as the choice's ``message`` (``prefix``: echoed before the content)."""
+    def message(self, text: str, prefix: str = "", role: str = "assistant") -> dict[str, Any]:
+        """A whole text as the choice's ``message`` (``prefix``: echoed before the content;
+        ``role``: ``reply_role``'s)."""
         a, b = self.feed(text), self.finish()
         content = prefix + a.content + b.content
         calls = []
@@ -178,7 +179,7 @@ class ChoiceParser:
         parsed = self.reasoning is not None or self.tools is not None
         if self.forced is not None:  # vLLM's: the calls, and an empty content
             content, parsed = content or "", False
-        return {"role": "assistant", "content": (content or None) if parsed else content,
+        return {"role": role, "content": (content or None) if parsed else content,
                 "refusal": None, "tool_calls": calls, "reasoning_content": thought,
                 "reasoning": thought}
 
@@ -189,6 +190,21 @@ class ChoiceParser:
             required = self.forced.name is None
             return "tool_calls" if required and reason == "stop" and self.made_calls else reason
         return "tool_calls" if reason is not None and self.made_calls else reason
+
+
+def reply_role(req: ChatCompletionRequest) -> str:
+    """vLLM's: the reply is the assistant's after a generation prompt; without one it goes on
+    in the last message's role."""
+    return "assistant" if req.add_generation_prompt else req.messages[-1].role
+
+
+def echoed(req: ChatCompletionRequest) -> str:
+    """vLLM's chat ``echo``: the last message's content, when it is in the reply's role
+    (``reply_role``), goes before the reply's content; else nothing."""
+    last = req.messages[-1]
+    if req.echo and last.role == reply_role(req):
+        return last.to_template()["content"]
+    return ""
 
 
 def reply_starts_thinking(parsing: ChatParsing, prompt_text: str | None,
@@ -217,4 +233,5 @@ def choice_parser(parsing: ChatParsing, plan: ToolPlan, in_reasoning: bool,
 
 
 __all__ = ["AUTO_NEEDS_FLAGS", "ChatParsing", "ChoiceParser", "Piece", "ToolPlan",
-           "choice_parser", "merged_calls", "reply_starts_thinking", "tool_plan"]
+           "choice_parser", "echoed", "merged_calls", "reply_role", "reply_starts_thinking",
+           "tool_plan"]

@@ -17,11 +17,11 @@ import json
 import re
 from typing import Any, Literal, Union
 
-from pydantic import (BaseModel, ConfigDict, Field, ValidationError, field_validator,
-                      model_validator)
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
 from epserve.deploy.chat_content import check_content
 from epserve.deploy.errors import bad_request, from_value_error
+from epserve.deploy.logprob_fields import check_bound
 from epserve.deploy.structured_output import ResponseFormat, StructuredOutputs, structured_fields
 from epserve.head.limits import RequestLimits
 from epserve.head.sampling_params import SamplingParams
@@ -285,8 +285,6 @@ class ChatCompletionRequest(_SamplingRequest):
         self.check_common()
         if not self.messages:
             raise bad_request("messages must not be empty", param="messages")
-        if self.top_logprobs and not self.logprobs:
-            raise bad_request("top_logprobs needs logprobs set to true", param="top_logprobs")
         if self.continue_final_message and self.add_generation_prompt:
             raise bad_request("continue_final_message and add_generation_prompt cannot both "
                               "be true", param="continue_final_message")
@@ -294,33 +292,6 @@ class ChatCompletionRequest(_SamplingRequest):
     def wanted_max_tokens(self) -> int | None:
         return self.max_completion_tokens if self.max_completion_tokens is not None \
             else self.max_tokens
-
-
-class TokenizeRequest(BaseModel):
-    """POST /tokenize: a prompt or a conversation."""
-
-    model_config = _STRICT
-    model: str | None = None
-    prompt: str | None = None
-    messages: list[ChatMessage] | None = Field(None, max_length=4096)
-    add_special_tokens: bool | None = None  # vLLM's defaults: true for a prompt, false for chat
-    add_generation_prompt: bool = True
-    continue_final_message: bool = False
-    return_token_strs: bool = False
-    tools: list[Tool] | None = Field(None, max_length=1024)
-    chat_template_kwargs: dict[str, Any] | None = None
-
-    @model_validator(mode="after")
-    def _special_tokens_default(self) -> "TokenizeRequest":
-        if self.add_special_tokens is None:
-            self.add_special_tokens = self.messages is None
-        return self
-
-
-class DetokenizeRequest(BaseModel):
-    model_config = _STRICT
-    model: str | None = None
-    tokens: list[int]
 
 
 def validate(model: type[BaseModel], body: dict[str, Any]) -> Any:
@@ -356,7 +327,7 @@ def sampling_kwargs(req: _SamplingRequest, *, max_tokens: int | None, logprobs: 
             kw[name] = v
     if isinstance(kw["stop"], list):
         kw["stop"] = list(kw["stop"])
-    _check_logprobs(kw, limits.max_logprobs)
+    check_bound(kw, limits.max_logprobs)
     if req.logit_bias:
         kw["logit_bias"] = _bias_by_id(req.logit_bias)
     # a 400 naming the field when invalid
@@ -370,17 +341,6 @@ def sampling_kwargs(req: _SamplingRequest, *, max_tokens: int | None, logprobs: 
     return kw
 
 
-def _check_logprobs(kw: dict[str, Any], max_logprobs: int) -> None:
-    """vLLM's refusal, word for word (clients match it), of more logprobs than
-    ``--max-logprobs``; ``param`` the field (chat's ``top_logprobs`` is ``logprobs``, as
-    vLLM's)."""
-    for name, kind in (("logprobs", "sample"), ("prompt_logprobs", "prompt")):
-        v = kw.get(name)
-        if type(v) is int and v > max_logprobs:
-            raise bad_request(f"Requested {kind} logprobs of {v}, which is greater than max "
-                              f"allowed: {max_logprobs}", param=name)
-
-
 def _bias_by_id(bias: dict[str, float]) -> dict[int, float]:
     """``logit_bias`` with its keys as token ids (vLLM's: a key must read as an integer)."""
     out = {}
@@ -392,5 +352,5 @@ def _bias_by_id(bias: dict[str, float]) -> dict[int, float]:
     return out
 
 
-__all__ = ["ChatCompletionRequest", "ChatMessage", "CompletionRequest", "DetokenizeRequest",
-           "NamedToolChoice", "Tool", "TokenizeRequest", "sampling_kwargs", "validate"]
+__all__ = ["ChatCompletionRequest", "ChatMessage", "CompletionRequest", "NamedToolChoice", "Tool",
+           "sampling_kwargs", "validate"]

@@ -15,19 +15,20 @@ import time
 from dataclasses import dataclass
 from typing import Any, AsyncIterator, Callable, Sequence
 
-from epserve.deploy import chat_template
+from epserve.deploy import chat_template, tokenize_api
 from epserve.deploy import responses as R
 from epserve.deploy.chat_output import (
-    ChatParsing, ToolPlan, choice_parser, reply_starts_thinking, tool_plan,
+    ChatParsing, ToolPlan, choice_parser, echoed, reply_role, reply_starts_thinking, tool_plan,
 )
 from epserve.deploy.engine_client import EngineClient
 from epserve.deploy.errors import ApiError, bad_request
+from epserve.deploy.logprob_fields import chat_logprobs, completion_logprobs
 from epserve.deploy.metrics import ServerMetrics
 from epserve.deploy.openai_models import (
-    ChatCompletionRequest, CompletionRequest, DetokenizeRequest, TokenizeRequest,
-    sampling_kwargs, validate,
+    ChatCompletionRequest, CompletionRequest, sampling_kwargs, validate,
 )
 from epserve.deploy.stream import Delta, DeltaTracker, Fanout, Prompt, open_streams
+from epserve.deploy.tokenize_api import TokenizeRequest
 from epserve.head.limits import RequestLimits
 from epserve.head.outputs import RequestOutput
 
@@ -68,20 +69,20 @@ class OpenAIServing:
             raise ApiError(404, f"The model `{name}` does not exist.", param="model",
                            code="model_not_found")
 
-    def _need_tokenizer(self, what: str, param: str) -> Any:
+    def need_tokenizer(self, what: str, param: str) -> Any:
         if self.tokenizer is None:
             raise bad_request(f"{what}: this model folder has no tokenizer; send the prompt as "
                               f"token ids", param=param)
         return self.tokenizer
 
-    async def _encode(self, text: str, add_special_tokens: bool, param: str) -> list[int]:
-        tok = self._need_tokenizer("text prompts", param)
+    async def encode(self, text: str, add_special_tokens: bool, param: str) -> list[int]:
+        tok = self.need_tokenizer("text prompts", param)
 
         def run() -> list[int]:
             return list(tok.encode(text, add_special_tokens=add_special_tokens))
         return await asyncio.to_thread(run) if len(text) > _THREAD_TOKENIZE_CHARS else run()
 
-    def _check_ids(self, ids: Sequence[int], param: str) -> None:
+    def check_ids(self, ids: Sequence[int], param: str) -> None:
         v = self.info.vocab_size
         for t in ids:
             if not 0 <= t < v:
@@ -104,11 +105,11 @@ class OpenAIServing:
                               f"of the input or completion.", param=tokens_param,
                               code="context_length_exceeded")
 
-    def _decode(self, ids: Sequence[int]) -> str:
+    def decode(self, ids: Sequence[int]) -> str:
         return self.tokenizer.decode(list(ids), skip_special_tokens=False) if self.tokenizer else ""
 
     def _decode_one(self, tid: int) -> str:
-        return self._decode([tid])
+        return self.decode([tid])
 
     def _truncate(self, p: Prompt, keep: int | None) -> Prompt:
         """``truncate_prompt_tokens``: only the last ``keep`` tokens (-1: the context length);
@@ -128,7 +129,7 @@ class OpenAIServing:
                           tools: list[dict[str, Any]] | None = None) -> Prompt:
         """The chat template applied to the messages (and tools, and the request's
         ``chat_template_kwargs``), and its token ids."""
-        tok = self._need_tokenizer("chat", "messages")
+        tok = self.need_tokenizer("chat", "messages")
         if not getattr(tok, "chat_template", None):
             raise bad_request("this model has no chat template; use /v1/completions",
                               param="messages")
@@ -137,7 +138,7 @@ class OpenAIServing:
                                     add_generation_prompt=req.add_generation_prompt,
                                     continue_final=continue_final,
                                     kwargs=req.chat_template_kwargs)
-        return Prompt(text, await self._encode(text, bool(req.add_special_tokens), "messages"))
+        return Prompt(text, await self.encode(text, bool(req.add_special_tokens), "messages"))
 
     # ------------------------------------------------------------------ completions
 
@@ -146,22 +147,20 @@ class OpenAIServing:
         req: CompletionRequest = validate(CompletionRequest, body)
         req.check()
         self.check_model(req.model)
+        logprobs, prompt_lp = completion_logprobs(req, self.info.vocab_size)
         prompts = []
         for p in req.prompts():
             if isinstance(p, str):
-                ids = await self._encode(p, req.add_special_tokens, param="prompt")
+                ids = await self.encode(p, req.add_special_tokens, param="prompt")
                 prompts.append(Prompt(p, ids))
             else:
-                self._check_ids(p, "prompt")
+                self.check_ids(p, "prompt")
                 prompts.append(Prompt(None, list(p)))
         prompts = [self._truncate(p, req.truncate_prompt_tokens) for p in prompts]
         max_tokens = req.wanted_max_tokens()  # None (an explicit null): to the context length
         for p in prompts:
             self._check_context(len(p.ids), max_tokens, "prompt")
-        prompt_lp = req.prompt_logprobs
-        if req.echo and req.logprobs is not None:
-            prompt_lp = max(prompt_lp or 0, req.logprobs)
-        kw = sampling_kwargs(req, max_tokens=max_tokens, logprobs=req.logprobs,
+        kw = sampling_kwargs(req, max_tokens=max_tokens, logprobs=logprobs,
                              prompt_logprobs=prompt_lp, limits=self.info.limits)
         head = R.Head.new("cmpl", "text_completion", self.info.name, req.request_id)
         fan = await open_streams(self.client, head.engine_id, prompts, kw, "prompt",
@@ -192,7 +191,7 @@ class OpenAIServing:
         return self.tokens_as_ids if own is None else own
 
     def _prompt_text(self, p: Prompt) -> str:
-        return p.text if p.text is not None else self._decode(p.ids)
+        return p.text if p.text is not None else self.decode(p.ids)
 
     def _completion_body(self, req: CompletionRequest, head: R.Head, prompts: list[Prompt],
                          finals: list[RequestOutput]) -> dict[str, Any]:
@@ -226,9 +225,8 @@ class OpenAIServing:
             if lps is not None:
                 offsets[d.index] = lps["text_offset"][-1] + len(lps["tokens"][-1]) \
                     if lps["tokens"] else offsets[d.index]
-            plps = R.prompt_logprobs_json(out.prompt_logprobs) \
-                if (d.first and req.prompt_logprobs is not None) else None
-            choice = R.completion_choice(d.index, text, lps, d.finish_reason, d.stop_reason, plps)
+            # no prompt_logprobs: refused with stream (logprob_fields), as vLLM refuses them
+            choice = R.completion_choice(d.index, text, lps, d.finish_reason, d.stop_reason)
             return head.body(choices=[R.with_ids(choice, req, d.token_ids, p.ids, d.first)],
                              **extra)
 
@@ -272,6 +270,7 @@ class OpenAIServing:
         req: ChatCompletionRequest = validate(ChatCompletionRequest, body)
         req.check()
         self.check_model(req.model)
+        logprobs, prompt_lp = chat_logprobs(req, self.info.vocab_size)
         plan = tool_plan(req, self.parsing)
         prompt = await self.render_chat(req, req.continue_final_message, plan.render)
         in_reasoning = reply_starts_thinking(self.parsing, prompt.text, req)
@@ -280,17 +279,16 @@ class OpenAIServing:
         self._check_context(len(prompt.ids), max_tokens, "messages",
                             "max_completion_tokens" if req.max_completion_tokens is not None
                             else "max_tokens")
-        logprobs = (req.top_logprobs or 0) if req.logprobs else None
         kw = sampling_kwargs(req, max_tokens=max_tokens, logprobs=logprobs, limits=self.info.limits,
-                             prompt_logprobs=req.prompt_logprobs, constraint=plan.constraint)
+                             prompt_logprobs=prompt_lp, constraint=plan.constraint)
         if plan.parse:  # as vLLM's hermes parser: tool tags may be special tokens
             kw["skip_special_tokens"] = False
         head = R.Head.new("chatcmpl", "chat.completion", self.info.name, req.request_id)
         fan = await open_streams(self.client, head.engine_id, [prompt], kw, "messages",
                                  self.metrics, t0)
-        echo = self._chat_echo(req)
+        echo, role = echoed(req), reply_role(req)  # vLLM's
         if req.stream:
-            return self._chat_stream(req, head, fan, echo, prompt.ids, plan, in_reasoning)
+            return self._chat_stream(req, head, fan, echo, role, prompt.ids, plan, in_reasoning)
         try:
             (out,) = await fan.final()
         finally:
@@ -298,7 +296,7 @@ class OpenAIServing:
         choices = []
         for c in out.outputs:
             p = choice_parser(self.parsing, plan, in_reasoning, True, req.include_reasoning)
-            choice = R.chat_choice(c.index, p.message(c.text, echo),
+            choice = R.chat_choice(c.index, p.message(c.text, echo, role),
                                    self._chat_lps(req, c.token_ids, c.logprobs),
                                    p.finish_reason(c.finish_reason), c.stop_reason)
             choices.append(R.with_ids(choice, req, c.token_ids, prompt.ids, with_prompt=False))
@@ -311,20 +309,13 @@ class OpenAIServing:
             body["prompt_token_ids"] = list(prompt.ids)
         return body
 
-    @staticmethod
-    def _chat_echo(req: ChatCompletionRequest) -> str:
-        last = req.messages[-1]
-        if req.echo and last.role == "assistant":
-            return last.to_template()["content"]
-        return ""
-
     def _chat_lps(self, req: ChatCompletionRequest, ids: Sequence[int], lps: Any) -> dict | None:
         if not req.logprobs:
             return None
         return R.chat_logprobs(ids, lps or [], req.top_logprobs or 0, self._as_ids(req))
 
     def _chat_stream(self, req: ChatCompletionRequest, head: R.Head, fan: Fanout, echo: str,
-                     prompt_ids: list[int], plan: ToolPlan,
+                     role: str, prompt_ids: list[int], plan: ToolPlan,
                      in_reasoning: bool) -> AsyncIterator[str]:
         head = R.Head(head.id, "chat.completion.chunk", head.model, head.created)
         extra = {"usage": None} if req.include_usage else {}
@@ -332,7 +323,7 @@ class OpenAIServing:
             extra = {"usage": R.usage(len(prompt_ids), 0)}
         if req.return_token_ids:  # the prompt's ids once, at the top of the opening chunks
             extra = {**extra, "prompt_token_ids": list(prompt_ids)}
-        opening = [head.body(choices=[R.chat_delta(k, {"role": "assistant", "content": ""})],
+        opening = [head.body(choices=[R.chat_delta(k, {"role": role, "content": ""})],
                              **extra) for k in range(req.n)]
         extra = {"usage": None} if req.include_usage else {}
         tracker = DeltaTracker(1, req.n)
@@ -365,36 +356,7 @@ class OpenAIServing:
             "root": self.info.path, "parent": None, "max_model_len": self.info.max_model_len}]}
 
     async def tokenize(self, body: dict[str, Any]) -> dict[str, Any]:
-        req: TokenizeRequest = validate(TokenizeRequest, body)
-        self.check_model(req.model)
-        if (req.prompt is None) == (req.messages is None):
-            raise bad_request("send exactly one of prompt and messages", param="prompt")
-        if req.messages is not None:
-            if not req.messages:
-                raise bad_request("messages must not be empty", param="messages")
-            if req.continue_final_message and req.add_generation_prompt:
-                raise bad_request("continue_final_message and add_generation_prompt cannot "
-                                  "both be true", param="continue_final_message")
-            tools = [t.to_template() for t in req.tools or []] or None
-            ids = (await self.render_chat(req, req.continue_final_message, tools)).ids
-        else:
-            if req.continue_final_message:
-                raise bad_request("continue_final_message needs messages",
-                                  param="continue_final_message")
-            ids = await self._encode(req.prompt or "", req.add_special_tokens, "prompt")
-        strs = None
-        if req.return_token_strs:
-            strs = list(self._need_tokenizer("tokenize", "prompt").convert_ids_to_tokens(ids))
-        return {"count": len(ids), "max_model_len": self.info.max_model_len, "tokens": ids,
-                "token_strs": strs}
+        return await tokenize_api.tokenize(self, body)
 
     async def detokenize(self, body: dict[str, Any]) -> dict[str, Any]:
-        req: DetokenizeRequest = validate(DetokenizeRequest, body)
-        self.check_model(req.model)
-        self._need_tokenizer("detokenize", "tokens")
-        self._check_ids(req.tokens, "tokens")
-        try:
-            return {"prompt": self._decode(req.tokens)}
-        except Exception as exc:  # ids the model has but its tokenizer does not
-            raise bad_request(f"tokens: cannot decode them: {exc}", param="tokens") from None
-
+        return await tokenize_api.detokenize(self, body)
