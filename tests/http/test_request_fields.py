@@ -1,6 +1,8 @@
-"""Nothing a client sends is accepted and ignored: an unknown field is a 400 naming it; vLLM's
-``use_beam_search`` (refused when true), ``truncate_prompt_tokens`` and
-``stream_options.continuous_usage_stats`` do what vLLM's server does."""
+"""Nothing a client sends is accepted and ignored: an unknown field is a 400 naming it (and a
+chat-only field sent to /tokenize with a prompt); vLLM's ``use_beam_search`` (refused when true,
+on both routes), ``truncate_prompt_tokens``, ``stream_options.continuous_usage_stats``,
+``return_token_ids`` and ``usage.prompt_tokens_details.cached_tokens`` do what vLLM's server
+does."""
 
 from __future__ import annotations
 
@@ -36,12 +38,18 @@ def test_an_unknown_field_in_a_message_is_refused(server, client):
 
 
 def test_beam_search_is_refused_not_ignored(server, client):
-    err = _refused(client.completions.create, model=server.model, prompt="Hi", max_tokens=2,
-                   extra_body={"use_beam_search": True})
-    assert err.param == "use_beam_search", err.body
+    for call, kw in ((client.completions.create, {"prompt": "Hi"}),
+                     (client.chat.completions.create, {"messages": CHAT})):
+        for stream in (False, True):
+            err = _refused(call, model=server.model, max_tokens=2, stream=stream,
+                           extra_body={"use_beam_search": True}, **kw)
+            assert err.param == "use_beam_search" and "beam search" in err.message, err.body
     out = client.completions.create(model=server.model, prompt="Hi", max_tokens=2,
                                     extra_body={"use_beam_search": False})
     assert out.choices[0].text is not None
+    chat = client.chat.completions.create(model=server.model, messages=CHAT, max_tokens=2,
+                                          extra_body={"use_beam_search": False})
+    assert chat.choices[0].message.content is not None
 
 
 def test_truncate_prompt_tokens_keeps_the_last_tokens(server, client):
@@ -105,12 +113,48 @@ def test_response_shapes_are_vllms(server):
     assert chat["usage"]["prompt_tokens"] == len(chat["prompt_token_ids"])
 
 
+def test_a_streamed_chat_opens_with_the_prompt_token_ids(server, client):
+    """vLLM's ``return_token_ids`` streamed: the prompt's ids at the top of the opening chunk
+    (once), each later chunk's new token ids in its choice."""
+    kw = dict(model=server.model, messages=CHAT, max_tokens=4, temperature=0,
+              extra_body={"return_token_ids": True, "ignore_eos": True})
+    whole = client.chat.completions.create(**kw)
+    chunks = list(client.chat.completions.create(**kw, stream=True))
+    assert chunks[0].model_extra["prompt_token_ids"] == whole.model_extra["prompt_token_ids"]
+    assert chunks[0].choices[0].delta.role == "assistant"
+    assert all("prompt_token_ids" not in (c.model_extra or {}) for c in chunks[1:])
+    assert all("prompt_token_ids" not in (ch.model_extra or {})
+               for c in chunks for ch in c.choices)
+    ids = [t for c in chunks[1:] for ch in c.choices
+           for t in ch.model_extra.get("token_ids", [])]
+    assert ids == whole.choices[0].model_extra["token_ids"] and len(ids) == 4
+
+
 def test_cached_tokens_come_from_the_prefix_cache(server, client):
     long = [(11 * i) % 300 + 7 for i in range(80)]  # five full 16-token blocks and more
     first = client.completions.create(model=server.model, prompt=long, max_tokens=2)
     again = client.completions.create(model=server.model, prompt=long, max_tokens=2)
     assert first.usage.prompt_tokens_details.cached_tokens == 0
     assert again.usage.prompt_tokens_details.cached_tokens >= 64  # whole blocks, last recomputed
+
+
+def test_cached_tokens_on_chat_whole_and_streamed(server, client):
+    # a first word no other test sends: the first block, and so every block, is new
+    msgs = [{"role": "user", "content": "Quokkas " + " ".join(f"w{i}" for i in range(60))}]
+    kw = dict(model=server.model, messages=msgs, max_tokens=2)
+    first = client.chat.completions.create(**kw)
+    assert first.usage.prompt_tokens >= 80
+    assert first.usage.prompt_tokens_details.cached_tokens == 0
+    again = client.chat.completions.create(**kw)
+    assert again.usage.prompt_tokens_details.cached_tokens >= 64
+    chunks = list(client.chat.completions.create(**kw, stream=True,
+                                                 stream_options={"include_usage": True}))
+    usage = chunks[-1].usage
+    assert not chunks[-1].choices and usage.prompt_tokens == first.usage.prompt_tokens
+    assert usage.prompt_tokens_details.cached_tokens >= 64
+    cont = list(client.chat.completions.create(**kw, stream=True, stream_options={
+        "include_usage": True, "continuous_usage_stats": True}))
+    assert cont[-1].usage.prompt_tokens_details.cached_tokens >= 64
 
 
 def test_return_tokens_as_token_ids_names_tokens_by_id(server):
@@ -150,6 +194,25 @@ def test_tokenize_honours_the_chat_options_and_returns_token_strings(server):
     assert r.status_code == 400 and r.json()["error"]["param"] == "continue_final_message"
 
 
+@pytest.mark.parametrize("field, value", [
+    ("add_generation_prompt", True), ("add_generation_prompt", False),
+    ("continue_final_message", True), ("chat_template_kwargs", {"enable_thinking": False}),
+    ("tools", [{"type": "function", "function": {"name": "f"}}])])
+def test_tokenize_refuses_chat_fields_with_a_prompt(server, field, value):
+    """They shape the chat template's rendering, which a prompt never goes through: a 400
+    naming the field, not a field accepted and ignored (the same fields with messages are
+    served: test_tokenize_honours_the_chat_options_and_returns_token_strings)."""
+    import requests
+
+    r = requests.post(f"{server.base}/tokenize", headers=server.auth, timeout=30,
+                      json={"model": server.model, "prompt": "Hi", field: value})
+    assert r.status_code == 400, r.text
+    err = r.json()["error"]
+    assert err["param"] == field and field in err["message"] and "messages" in err["message"]
+    plain = _post_root(server, "tokenize", {"prompt": "Hi", "tools": None})  # null: left out
+    assert plain["count"] == len(plain["tokens"]) > 0
+
+
 def _post_root(server, route: str, body: dict) -> dict:
     import requests
 
@@ -159,14 +222,20 @@ def _post_root(server, route: str, body: dict) -> dict:
     return r.json()
 
 
-def test_a_stop_token_id_outside_the_vocabulary_is_a_400_naming_it(server, client):
-    vocab = client.models.list().data[0].model_extra.get("vocab_size") or 10**6
-    bad = vocab + 5
+def test_a_stop_token_id_outside_the_vocabulary_is_a_400_naming_it(server, client,
+                                                                   demo_model_dir):
+    import json
+
+    vocab = json.loads((demo_model_dir / "config.json").read_text())["vocab_size"]
     for call, kw in ((client.completions.create, {"prompt": "Hi"}),
                      (client.chat.completions.create, {"messages": CHAT})):
-        err = _refused(call, model=server.model, max_tokens=2,
-                       extra_body={"stop_token_ids": [3, bad]}, **kw)
-        assert err.param == "stop_token_ids" and str(bad) in err.message, err.body
+        out = call(model=server.model, max_tokens=2, extra_body={"stop_token_ids": [vocab - 1]},
+                   **kw)  # the last id of the vocabulary is one
+        assert out.usage.completion_tokens >= 1
+        for bad in (vocab, vocab + 5):
+            err = _refused(call, model=server.model, max_tokens=2,
+                           extra_body={"stop_token_ids": [3, bad]}, **kw)
+            assert err.param == "stop_token_ids" and str(bad) in err.message, err.body
 
 
 def test_a_custom_role_reaches_the_chat_template(server):

@@ -68,6 +68,23 @@ def test_json_object_response_format(server, client):
         assert isinstance(json.loads(text), dict)
 
 
+def test_structured_outputs_json_object_on_completions_and_chat(server, client):
+    """vLLM's ``structured_outputs.json_object``: any JSON object, as ``response_format``
+    json_object asks (the same constraint: the same seeded texts)."""
+    so, fmt = {"json_object": True}, {"type": "json_object"}
+    texts = []
+    for extra in ({"structured_outputs": so}, {"response_format": fmt}):
+        # seed 2 closes the object in about a hundred tokens (most take hundreds)
+        out = client.completions.create(model=server.model, prompt="Record:", max_tokens=400,
+                                        seed=2, extra_body=extra)
+        assert out.choices[0].finish_reason == "stop", out.choices
+        texts.append(out.choices[0].text)
+    assert isinstance(json.loads(texts[0]), dict) and texts[0] == texts[1]
+    (text,) = _chat(server, client, n=1, max_tokens=1200, extra_body={"structured_outputs": so})
+    assert isinstance(json.loads(text), dict)
+    assert [text] == _chat(server, client, n=1, max_tokens=1200, response_format=fmt)
+
+
 def test_structured_outputs_json_on_completions_and_chat(server, client):
     for text in _completions(server, client, {"json": SCHEMA}):
         jsonschema.validate(json.loads(text), SCHEMA)

@@ -227,6 +227,26 @@ def test_responses_api_forced_tool_choice(forced_server, fclient):
         _valid_call(item.name, item.arguments)
 
 
+def test_responses_api_parallel_tool_calls_false_is_one_call(forced_server, fclient):
+    """``required`` sampled (the Responses API takes no seed) most often makes several calls
+    (2-5 in each of 4 tries when measured); with ``parallel_tool_calls`` false each answer is
+    one call, whole and streamed, and the response echoes the field."""
+    tools = [{"type": "function", "name": n, "parameters": s} for n, s in SCHEMAS.items()]
+    kw = dict(model=forced_server.model, input="Weather?", tools=tools, tool_choice="required",
+              max_output_tokens=LONG)
+    tries = (fclient.responses.create(**kw) for _ in range(4))
+    assert any(len(r.output) > 1 and r.parallel_tool_calls is True for r in tries)
+    for _ in range(3):
+        one = fclient.responses.create(parallel_tool_calls=False, **kw)
+        assert [i.type for i in one.output] == ["function_call"] and one.status == "completed"
+        assert one.parallel_tool_calls is False
+        _valid_call(one.output[0].name, one.output[0].arguments)
+    with fclient.responses.stream(parallel_tool_calls=False, **kw) as stream:
+        final = stream.get_final_response()
+    assert [i.type for i in final.output] == ["function_call"]
+    _valid_call(final.output[0].name, final.output[0].arguments)
+
+
 def test_anthropic_forced_tool_choice(forced_server):
     claude = anthropic.Anthropic(base_url=forced_server.base, api_key=API_KEY, max_retries=0,
                                  timeout=120)
