@@ -2,7 +2,8 @@
 ``reasoning_parser="qwen3"``: once a row has generated ``</think>``, neither thinking tag is
 ever sampled again in that row, greedy and sampled, with speculative drafts too, and the same
 when the prompt closed the block (``enable_thinking: false`` leaves ``<think>\n\n</think>``
-there); without the parser the same model reopens its thinking. The model
+there; a ``</think>`` of an earlier turn leaves the new turn free to think); without the
+parser the same model reopens its thinking. The model
 (tests/looping_ckpt.py) would think forever: after ``</think>`` its script goes back to
 ``<think>``. The seed's ``argmax_batch_masked`` (the trait's greedy pick under a ``RowMask``)
 picks around its mask. Under EP: tests/ray/test_closed_thinking_ep.py."""
@@ -72,6 +73,20 @@ def test_a_block_the_prompt_closed_never_reopens(looping, parser):
         assert outs[0][0] in tags, outs[0]
     else:
         assert all(len(o) == 6 and not tags & set(o) for o in outs), outs
+
+
+def test_a_block_an_earlier_turn_closed_leaves_the_new_turn_free_to_think(looping):
+    """A tool loop's history holds the last turn's ``</think>``: the new turn may think (and
+    once it closed its own block, never again)."""
+    llm = LLM(model=str(looping), dtype="float32", max_model_len=64, reasoning_parser="qwen3")
+    tok = llm.get_tokenizer()
+    start, end = tok.convert_tokens_to_ids(["<think>", "</think>"])
+    prompt = tok.encode("Hi<think>\n\n</think>\n\nThe weather is fine today. Go on: [[loop]]",
+                        add_special_tokens=False)
+    ids = llm.generate({"prompt_token_ids": prompt}, SamplingParams(
+        max_tokens=8, temperature=0, ignore_eos=True))[0].outputs[0].token_ids
+    assert ids[0] == start and end in ids, ids
+    assert not {start, end} & set(ids[ids.index(end) + 1:]), ids
 
 
 def test_argmax_batch_masked_picks_the_best_unmasked_token(looping):
