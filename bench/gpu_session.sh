@@ -10,11 +10,15 @@
 #   bash bench/gpu_session.sh qwen3     # no regression: decode_latency + throughput short
 #   bash bench/gpu_session.sh hybrid    # issue 17: decode vs floor and transformers, MTP cost
 #   bash bench/gpu_session.sh hybrid-short   # issue 17: short workload vs transformers
+#   bash bench/gpu_session.sh mtp       # issue 17: the MTP proposer's cost per proposed token
+#   bash bench/gpu_session.sh serve     # issue 19: HTTP at c=256 and c=32 against offline
+#                                       # (needs Ray: prep adds ../shared/airgap/ray-bundle.sh's
+#                                       # wheels; the head's log lines land in $OUT too)
 #
 # Each stage tees its log to $OUT (it comes back even when a stage runs out of time); record
 # the figures in bench/RESULTS.md with the date and the exact command.
 set -o pipefail
-stage=${1:?stage: prep, tests, tests-rest, qwen3, hybrid or hybrid-short}
+stage=${1:?stage: prep, tests, tests-rest, qwen3, hybrid, hybrid-short, mtp or serve}
 log=${OUT:-/tmp}/$stage.log
 
 if [ "$stage" = prep ]; then
@@ -28,6 +32,20 @@ if [ "$stage" = prep ]; then
       --implementation cp --platform manylinux_2_28_x86_64 --platform manylinux2014_x86_64 \
       --platform any -d .whl "$w" || exit
   done
+  # Ray + Serve for the serve stage (its own copies of packages already here are skipped)
+  if ! ls .whl/ray-*.whl >/dev/null 2>&1; then
+    tmp=$(mktemp -d) && mkdir -p "$tmp/.git/info" && (cd "$tmp" && bash "$OLDPWD/../shared/airgap/ray-bundle.sh") || exit
+    python3 - "$tmp/.whl" .whl <<'PY' || exit
+import pathlib, re, shutil, sys
+src, dst = map(pathlib.Path, sys.argv[1:])
+name = lambda p: re.split(r"-\d", p.name, 1)[0].lower().replace("_", "-")
+have = {name(p) for p in dst.glob("*.whl")}
+for p in src.glob("*.whl"):
+    if name(p) not in have:
+        shutil.copy(p, dst / p.name)
+PY
+    rm -rf "$tmp"
+  fi
   ls -l .whl
   exit 0
 fi
@@ -53,5 +71,13 @@ case "$stage" in
   hybrid-short)
     python bench/throughput.py --model-shape qwen3.5-35b-a3b --workload short 2>&1 \
       | tee "$log" ;;
+  mtp)
+    python bench/mtp_cost.py --k 1 2 3 2>&1 | tee "$log" ;;
+  serve)
+    { python bench/serve.py --model-shape qwen3-30b-a3b --max-num-batched-tokens 8192 \
+        --max-concurrency 256 256 --mode stream nonstream &&
+      python bench/serve.py --model-shape qwen3-30b-a3b --max-num-batched-tokens 8192 \
+        --num-prompts 32 --max-concurrency 32 --mode stream nonstream; } 2>&1 | tee "$log"
+    cp /tmp/epserve-serve-*.log "${OUT:-/tmp}/" 2>/dev/null ;;
   *) echo "unknown stage $stage" >&2; exit 2 ;;
 esac
