@@ -147,7 +147,7 @@ class Engine:
                 seq.close_thinking()
             if compiled is not None:
                 seq.grammar = self.grammars.matcher(compiled)
-                self._gate_grammar(seq, so.enable_in_reasoning, ids)
+                self._gate_grammar(seq, so.enable_in_reasoning, ids, closed)
                 if not seq.grammar.fill(seq.banned_now()):
                     raise ValueError(f"SamplingParams.structured_outputs.{so.kind}: no token of "
                                      f"this model's vocabulary can start the output")
@@ -172,19 +172,20 @@ class Engine:
         return not after or not self.tokenizer.decode(after).strip()
 
     @staticmethod
-    def _gate_grammar(seq: Sequence, in_reasoning: bool, prompt_ids: list[int]) -> None:
+    def _gate_grammar(seq: Sequence, in_reasoning: bool, prompt_ids: list[int],
+                      closed: bool) -> None:
         """A reasoning model's constraint holds once the reasoning ended (vLLM's rule): at
-        once when the prompt closed it (or ``in_reasoning``), after ``</think>`` when the
-        prompt opened it, and when the prompt has no tag (a completions prompt, a template
-        that leaves thinking to the model) the first token decides: ``<think>`` opens the
-        reasoning, any other must be the constraint's (vLLM waits for a ``</think>`` that may
-        never come there: vllm#57726)."""
+        once when the prompt closed it (``closed``: ``_prompt_closes_thinking``) or with
+        ``in_reasoning``, after ``</think>`` when the prompt opened it, and otherwise (no tag:
+        a completions prompt, a template that leaves thinking to the model; or an earlier
+        turn's ``</think>``) the first token decides: ``<think>`` opens the reasoning, any
+        other must be the constraint's (vLLM waits for a ``</think>`` that may never come
+        there: vllm#57726)."""
         tags = seq.think_tags
-        if tags is None or in_reasoning:
+        if tags is None or in_reasoning or closed:
             return
-        last = tags.last_tag(prompt_ids)
-        seq.grammar_waits = last == tags.start
-        seq.think_may_open = last is None
+        seq.grammar_waits = tags.last_tag(prompt_ids) == tags.start
+        seq.think_may_open = not seq.grammar_waits
 
     def check_request(self, prompt_ids: Seq[int], params: SamplingParams) -> list[int]:
         """The prompt as a list when this engine can serve the request, else ``ValueError``

@@ -5,7 +5,9 @@ The model is the HTTP tests' scripted one (tests/http/scripted_model.py: its gre
 is a function of the last one). Three prompts, no chat template: one with no thinking tag whose
 script is plain text (a completions prompt: the constraint holds from the first token), one
 with no tag whose script opens ``<think>`` (the model reasons first, then the constraint holds),
-and one that ends inside an open ``<think>`` (the constraint waits for ``</think>``)."""
+one that ends inside an open ``<think>`` (the constraint waits for ``</think>``), one that
+closed it (the constraint holds at once), and one whose ``</think>`` is an earlier turn's (the
+new turn may reason first)."""
 
 from __future__ import annotations
 
@@ -71,3 +73,11 @@ def test_a_prompt_that_opened_the_reasoning_waits_for_its_end(reasoning_llm):
 def test_a_prompt_that_closed_the_reasoning_is_constrained_at_once(reasoning_llm):
     pieces, text = _run(reasoning_llm, "[[think]]<think>Hmm.</think>", choice=CHOICES)
     assert "<think>" not in pieces and text in CHOICES, (pieces, text)
+
+
+def test_an_earlier_turns_closed_reasoning_leaves_the_new_turn_free_to_reason(reasoning_llm):
+    # a tool loop's history: the last turn's "</think>" far back, then the new turn's trigger
+    pieces, _ = _run(reasoning_llm, "<think>Hmm.</think>The weather is fine today. Go: [[think]]",
+                     choice=CHOICES)
+    assert pieces[:3] == ["<think>", "Hmm.", "</think>"], pieces  # it reasons first
+    assert _after_thinking(pieces) in CHOICES, pieces
