@@ -107,14 +107,18 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--hbm-gbps", type=float, default=4251.0, help="measured d2d copy GB/s")
     ap.add_argument("--with-transformers", action="store_true")
     ap.add_argument("--repeats", type=int, default=3, help="generates per batch size")
+    ap.add_argument("--decode-lookahead", choices=["on", "off"],
+                    help="force the decode lookahead (default: the engine's choice; off for "
+                    "models with recurrent state)")
     args = ap.parse_args(argv)
     cfg = shape(args.model_shape, args.layers)
     hf_ms = transformers_step_ms(cfg, args.steps) if args.with_transformers else None
     folder = Path(tempfile.mkdtemp())
     (folder / "config.json").write_text(json.dumps(cfg))
     t0 = time.perf_counter()
+    lookahead = None if args.decode_lookahead is None else args.decode_lookahead == "on"
     llm = LLM(model=str(folder), dtype="bfloat16", load_format="dummy", device="cuda",
-              max_model_len=2048)  # KV pool sized by gpu_memory_utilization
+              max_model_len=2048, decode_lookahead=lookahead)  # KV pool: gpu_memory_utilization
     load_s = time.perf_counter() - t0
     floor_ms = active_bytes(cfg) / (args.hbm_gbps * 1e9) * 1e3
     rows = []

@@ -70,7 +70,9 @@ case "$stage" in
         --repeats 2 --with-transformers &&
       python bench/profile_decode.py --model-shape qwen3.5-35b-a3b --layers 8 --steps 8 \
         --decode-only &&
-      python bench/mtp_cost.py --k 1 2 3; } 2>&1 | tee "$log" ;;
+      python bench/mtp_cost.py --k 1 2 3 &&
+      python bench/decode_latency.py --model-shape qwen3.5-35b-a3b --batch 1 4 --steps 32 \
+        --repeats 2 --decode-lookahead on; } 2>&1 | tee "$log" ;;
   hybrid-short)
     python bench/throughput.py --model-shape qwen3.5-35b-a3b --workload short 2>&1 \
       | tee "$log" ;;

@@ -17,6 +17,12 @@ preempts or changes the sequence instead, what was written is never read (the pr
 keeps full blocks below ``seq_len`` only), and one stream orders it before any later use of the
 block. Only a step marked ``ahead`` queues one: a step whose rows' next token is not known to
 be their last. Sampling never runs ahead: a step's tokens are drawn from its own logits.
+
+A model with recurrent state (gated DeltaNet) advances each row's state in place, which a
+discarded forward must not leave behind: with ``state_pools`` the rows' states are copied
+aside before the forward is queued, and copied back when it is dropped (``take`` misses,
+``discard``); so only steps of at most ``max_state_rows`` rows run ahead (the copy reads and
+writes each row's whole state).
 """
 
 from __future__ import annotations
@@ -52,29 +58,41 @@ class DecodeLookahead:
     ``graphs``: replay the decode graphs (None: run ``forward`` eagerly, the CPU test path)."""
 
     def __init__(self, forward: Forward, graphs: DecodeGraphs | None, tables: BlockTables,
-                 block_size: int, device: torch.device, max_model_len: int):
+                 block_size: int, device: torch.device, max_model_len: int,
+                 state_pools: list[torch.Tensor] | None = None, max_state_rows: int = 4):
         self.forward, self.graphs, self.tables = forward, graphs, tables
         self.block_size, self.device, self.max_model_len = block_size, device, max_model_len
         self._ahead: _Ahead | None = None
-        self.launched = self.hits = 0
+        self.launched = self.hits = self.restored = 0
+        self.state_pools = state_pools or []
+        self.max_state_rows = max_state_rows
+        # the rows' states before the queued forward: one buffer per pool, and their slots
+        self._saved = [torch.empty((max_state_rows, *p.shape[1:]), dtype=p.dtype,
+                                   device=p.device) for p in self.state_pools]
+        self._saved_slots: torch.Tensor | None = None
 
     def launch(self, rows: RankRows, nblocks: np.ndarray, pending: PendingSample) -> bool:
         """Queue the next decode forward of ``rows``' slots fed ``pending.tokens`` (one per
         row), after starting ``pending``'s read-back so the forward does not delay it.
         ``nblocks``: each row's block count. False when not launched: prefill rows, no graph
         for the rows, or a row without a block for its next position."""
-        self._ahead = None
+        self.discard()  # (taken or dropped by the step's prepare already)
         n = rows.num_decode
         if n == 0 or rows.chunked or rows.verify or pending.tokens.shape[0] != n:
             return False
         if self.graphs is not None and not self.graphs.covers_rows(n):
             return False
+        if self.state_pools and n > self.max_state_rows:
+            return False
         nxt = rows.decode_pos + 1
         if int(nxt.max()) >= self.max_model_len or (nxt // self.block_size >= nblocks).any():
             return False
         ahead = RankRows(rows.decode_slots, nxt, np.zeros(n, dtype=np.int64), (), [], [])
-        inp = build_step_inputs(ahead, self.tables, self.block_size, self.device)
+        inp = build_step_inputs(ahead, self.tables, self.block_size, self.device,
+                                bool(self.state_pools))
         pending.copy_async()
+        if self.state_pools:
+            self._save(rows.decode_slots)
         if self.graphs is not None:
             hidden = self.graphs.run(inp, input_ids=pending.tokens)
         else:
@@ -94,17 +112,33 @@ class DecodeLookahead:
     def take(self, rows: RankRows) -> torch.Tensor | None:
         """The queued forward's hidden states [n, H] if ``rows`` (a pure decode step) are
         exactly the ones it computed, else None (and it is dropped either way)."""
-        a, self._ahead = self._ahead, None
-        if a is None or a.tokens is None or rows.chunked or rows.verify \
-                or rows.num_decode != len(a.slots):
+        a = self._ahead
+        if a is None:
             return None
-        if not (np.array_equal(rows.decode_slots, a.slots)
-                and np.array_equal(rows.decode_pos, a.positions)
-                and np.array_equal(rows.decode_ids, a.tokens)
-                and np.array_equal(self._blocks(a.slots, a.positions), a.blocks)):
+        if a.tokens is None or rows.chunked or rows.verify or rows.num_decode != len(a.slots) \
+                or not (np.array_equal(rows.decode_slots, a.slots)
+                        and np.array_equal(rows.decode_pos, a.positions)
+                        and np.array_equal(rows.decode_ids, a.tokens)
+                        and np.array_equal(self._blocks(a.slots, a.positions), a.blocks)):
+            self.discard()
             return None
+        self._ahead = self._saved_slots = None
         self.hits += 1
         return a.hidden
 
     def discard(self) -> None:
+        """Drop the queued forward; the states it advanced go back to what they were."""
         self._ahead = None
+        if self._saved_slots is not None:
+            idx, self._saved_slots = self._saved_slots, None
+            for pool, saved in zip(self.state_pools, self._saved):
+                pool.index_copy_(0, idx, saved[:len(idx)])
+            self.restored += 1
+
+    def _save(self, slots: np.ndarray) -> None:
+        """Copy the rows' states aside (on the stream, before the forward that advances
+        them)."""
+        idx = torch.as_tensor(slots, dtype=torch.int64).to(self.device, non_blocking=True)
+        for pool, saved in zip(self.state_pools, self._saved):
+            torch.index_select(pool, 0, idx, out=saved[:len(slots)])
+        self._saved_slots = idx

@@ -111,12 +111,14 @@ class Runner:
             self.graphs.capture()
         self.lookahead: DecodeLookahead | None = None
         lookahead = cfg.decode_lookahead
-        if lookahead and state_specs:  # a discarded lookahead would have advanced the state
-            raise ValueError("decode_lookahead is not available for models with recurrent "
-                             "state (gated-DeltaNet layers) yet")
+        # with recurrent state only when asked for (copying the rows' states aside each step
+        # is not yet measured against the host time it hides)
         if lookahead or (lookahead is None and self.graphs is not None and not state_specs):
+            pools = [t for spec, cache in zip(specs, self.kv_caches)
+                     if isinstance(spec, StateCacheSpec) for t in cache]
             self.lookahead = DecodeLookahead(self._forward, self.graphs, self.tables,
-                                             self.block_size, self.device, self.max_model_len)
+                                             self.block_size, self.device, self.max_model_len,
+                                             state_pools=pools)
         self._ready: torch.Tensor | None = None  # the lookahead's hidden states for this step
 
     def _mtp_head(self, parallel: ParallelInfo):

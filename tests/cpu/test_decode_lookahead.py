@@ -8,32 +8,13 @@ next step matches it, and what happens to the KV it wrote when the step does not
 
 from __future__ import annotations
 
-import random
-
 import pytest
+from lookahead_case import off_and_on as _both
+from lookahead_case import random_prompts as _prompts
 
 from epserve import LLM, SamplingParams
 
 EOS = 2
-
-
-def _prompts(n: int, seed: int = 5) -> list[dict]:
-    rng = random.Random(seed)
-    return [{"prompt_token_ids": [rng.randrange(3, 300) for _ in range(rng.randrange(3, 12))]}
-            for _ in range(n)]
-
-
-def _both(ckpt, prompts, params, **kw):
-    """Token ids (and logprobs) of each request, lookahead off then on, plus the on-run's LLM."""
-    out = []
-    for lookahead in (False, True):
-        llm = LLM(model=str(ckpt), dtype="float32", device="cpu", decode_lookahead=lookahead,
-                  **kw)
-        res = llm.generate(prompts, params)
-        out.append([(o.outputs[0].token_ids, o.outputs[0].finish_reason,
-                     [None if lp is None else sorted(lp.items()) for lp in
-                      (o.outputs[0].logprobs or [])]) for o in res])
-    return out[0], out[1], llm
 
 
 def test_same_outputs_with_lookahead_greedy_and_seeded(tiny_ckpt):

@@ -75,8 +75,6 @@ def test_prefix_caching_is_off_and_reported(hybrid_ckpt, caplog):
 
 
 def test_what_hybrids_cannot_do_yet_is_refused(hybrid_ckpt, qwen3_ckpt):
-    with pytest.raises(ValueError, match="decode_lookahead.*recurrent state"):
-        LLM(model=str(hybrid_ckpt), dtype="float32", decode_lookahead=True)
     # a draft model's drafts are rewound anywhere; a recurrent state only inside a verify
     with pytest.raises(ValueError, match="draft model with recurrent state"):
         LLM(model=str(qwen3_ckpt), dtype="float32", speculative_config={
