@@ -25,3 +25,17 @@ def off_and_on(ckpt, prompts, params, **kw):
                      [None if lp is None else sorted(lp.items()) for lp in
                       (o.outputs[0].logprobs or [])]) for o in res])
     return out[0], out[1], llm
+
+
+def fed_another_token(model) -> tuple:
+    """A trait caller (``LLM.model``) feeds a token other than the one sampled: prefill, decode
+    the sampled token (its successor's forward is queued), decode another token (the queued
+    forward is dropped), then decode the sampled one (queued again, and taken). The tokens."""
+    seq = model.alloc_sequence()
+    prompt = [5, 17, 33, 41]
+    assert model.reserve_blocks(seq, len(prompt) + 4)
+    first = model.prefill(prompt, seq).token_id
+    second = model.decode(first, seq).token_id  # queues the forward of `second`
+    other = (second + 1) % model.vocab_size()
+    third = model.decode(other, seq).token_id  # drops it
+    return first, second, third, model.decode(third, seq).token_id, list(seq.tokens)

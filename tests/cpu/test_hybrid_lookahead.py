@@ -8,7 +8,7 @@ mid-decode: the states went back), and none queued for steps of more rows than i
 from __future__ import annotations
 
 import pytest
-from lookahead_case import off_and_on, random_prompts
+from lookahead_case import fed_another_token, off_and_on, random_prompts
 from tiny_ckpt import make_tiny_checkpoint
 
 from epserve import LLM, SamplingParams
@@ -35,14 +35,7 @@ def test_a_step_fed_another_token_restores_the_state_first(hybrid_ckpt):
     for lookahead in (False, True):
         r = LLM(model=str(hybrid_ckpt), dtype="float32", device="cpu",
                 decode_lookahead=lookahead).model
-        seq = r.alloc_sequence()
-        prompt = [5, 17, 33, 41]
-        assert r.reserve_blocks(seq, len(prompt) + 4)
-        first = r.prefill(prompt, seq).token_id
-        second = r.decode(first, seq).token_id  # queues the forward of `second`
-        other = (second + 1) % r.vocab_size()
-        third = r.decode(other, seq).token_id  # drops it: the state of `second` goes back
-        got.append((first, second, third, r.decode(third, seq).token_id))
+        got.append(fed_another_token(r))
         if lookahead:
             assert r.lookahead.restored >= 1 and r.lookahead.hits >= 1
     assert got[0] == got[1]
