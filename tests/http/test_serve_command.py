@@ -1,14 +1,20 @@
 """`epserve serve` (``serve_main``) in a subprocess over a tiny checkpoint that ships no
 tokenizer: it prints its URL, serves token-id prompts, refuses text prompts with a clear 400,
-and on Ctrl-C (SIGINT) removes everything and exits 0, quietly."""
+shows in its terminal what vLLM's server shows while it serves (the engine's line for each
+finished request and its periodic line: throughput, running, waiting, KV cache usage; none of
+the Ray Serve actors' chatter), and on Ctrl-C (SIGINT) removes everything and exits 0,
+quietly."""
 
 from __future__ import annotations
 
+import inspect
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
+import time
 
 import pytest
 import requests
@@ -20,6 +26,20 @@ from epserve.deploy.cli import _parser
 from epserve.deploy.server import serve_main
 sys.exit(serve_main(_parser().parse_args(sys.argv[1:])))
 """
+
+
+# "(HeadActor pid=N) <time> epserve.head.async_engine ..." (head_actor's logging format)
+_HEAD = r"^\(HeadActor pid=\d+\) \S+ \S+ epserve\.head\.async_engine "
+_PERIODIC = re.compile(_HEAD + r"engine loop: prompt throughput [\d.]+ tokens/s, generation "
+                       r"throughput [\d.]+ tokens/s, running \d+, waiting \d+, KV cache usage "
+                       r"[\d.]+%", re.M)
+
+
+def _log_every_s() -> float:
+    """The head's periodic interval (AsyncEngine's default, which the head keeps)."""
+    from epserve.head.async_engine import AsyncEngine
+
+    return inspect.signature(AsyncEngine).parameters["log_every_s"].default
 
 
 def start_serve(tmp_path, *args: str) -> subprocess.Popen:
@@ -62,6 +82,7 @@ def test_serve_main_over_a_tokenizer_less_checkpoint(qwen3_ckpt, tmp_path):
     proc = start_serve(tmp_path, "--model", str(qwen3_ckpt), "--dtype", "float32",
                        "--port", str(port), "--served-model-name", "tiny",
                        "--max-num-seqs", "8")
+    up_at, err = time.monotonic(), tmp_path / "stderr.log"
     base = f"http://127.0.0.1:{port}"
     try:
         r = requests.post(base + "/v1/completions", timeout=60, json={
@@ -90,8 +111,21 @@ def test_serve_main_over_a_tokenizer_less_checkpoint(qwen3_ckpt, tmp_path):
         r = requests.post(base + "/v1/completions", timeout=60, json={
             "model": "tiny", "prompt": [[1, 2], [320]], "max_tokens": 2})
         assert r.status_code == 400 and "not a token id" in r.json()["error"]["message"]
+        # the periodic line comes with the first step once its interval has passed since the
+        # engine started (before the URL was printed); the lines show while it serves
+        time.sleep(max(0.0, _log_every_s() - (time.monotonic() - up_at)))
+        r = requests.post(base + "/v1/completions", timeout=60, json={
+            "model": "tiny", "prompt": [9, 8, 7, 6], "max_tokens": 4, "ignore_eos": True})
+        assert r.status_code == 200, r.text
+        finished = re.compile(  # the engine's id is the response's plus a suffix
+            _HEAD + re.escape(f"request {r.json()['id']}-") + r"\d+ finished \(length\): "
+            r"prompt 4 tokens \(\d+ cached\), 4 generated in [\d.]+ s$", re.M)
+        assert wait_for(lambda: finished.search(err.read_text()) and
+                        _PERIODIC.search(err.read_text()), timeout_s=20), err.read_text()[-3000:]
     finally:
         rc, said = stop_serve(proc, tmp_path)
     assert rc == 0, said[-3000:]
     # Ctrl-C ends quietly: no Ray task-failure noise, no traceback
     assert "graceful_shutdown" not in said and "Traceback" not in said, said[-3000:]
+    # Ray Serve's actors (deployments, endpoints, an access line per request) stay in Ray's logs
+    assert not re.search(r"\((ServeController|ProxyActor|ServeReplica)", said), said[-3000:]
