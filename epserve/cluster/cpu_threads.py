@@ -7,9 +7,10 @@ On a CPU device it uses at most half the machine's cores (at least one) for torc
 pool: the ingress, Serve's proxy and the clients share the machine. Measured on a 2-core VM, 64
 concurrent streams of the demo model: 2 intra-op threads 380 tok/s over HTTP, 1 thread 775
 (each op's thread barrier waits for a core that another process holds); nice 15 -> 0 another
-+16% (875 -> 1,015). CUDA devices keep torch's threads (the GPU computes). Once built, a serving process moves
-what is alive into the collector's permanent generation (``freeze_heap``): its full collections
-then scan what serving allocates, not the ~200k objects of the modules and the engine.
++16% (875 -> 1,015). CUDA devices keep torch's threads (the GPU computes). Once built, a
+serving process moves what is alive into the collector's permanent generation
+(``freeze_heap``): its full collections then scan what serving allocates, not the ~200k
+objects of the modules and the engine.
 """
 
 from __future__ import annotations
@@ -56,4 +57,3 @@ def freeze_heap() -> None:
     gc.unfreeze()
     gc.collect()
     gc.freeze()
-

@@ -16,7 +16,6 @@ from __future__ import annotations
 import asyncio
 import ctypes
 import dataclasses
-import gc
 import logging
 import os
 import threading
@@ -115,7 +114,6 @@ class HeadActor:
         finally:
             self._reforming = False
             _release_memory()
-            freeze_heap()
 
     # ------------------------------------------------------------------ client calls
 
@@ -268,9 +266,9 @@ class HeadActor:
 def _release_memory() -> None:
     """Give the old engine's memory back after a re-form: its model and KV cache are garbage
     now, but glibc keeps freed heap pages unless asked (RSS grew ~200 MB per re-form). The
-    old engine was frozen with the heap (``freeze_heap``): unfrozen first, or its cycles stay."""
-    gc.unfreeze()
-    gc.collect()
+    heap is frozen again (``freeze_heap``, which first releases the old engine frozen with it
+    and collects its cycles)."""
+    freeze_heap()
     try:
         ctypes.CDLL("libc.so.6").malloc_trim(0)
     except (OSError, AttributeError):  # not glibc: nothing to trim

@@ -63,9 +63,6 @@ class EngineStats:
     spec: SpecStats = field(default_factory=SpecStats)
 
 
-_CLOSING_TAIL = 6  # a prompt's last tokens that may hold the </think> closing its turn
-
-
 def _public_reason(exc: BaseException) -> str:
     """What a client may read of a failed step: the ranks' own verdict, or the error's type
     and a reference into the server log (never file paths, addresses or tensor dumps)."""
@@ -131,7 +128,7 @@ class Engine:
         so = params.structured_outputs
         compiled = self.grammars.compile(so) if so is not None else None
         tags = self.cfg.think_tags
-        closed = tags is not None and self._prompt_closes_thinking(ids)
+        closed = tags is not None and tags.closed_by(ids, self.tokenizer.decode)
         for i in range(params.n):
             seed = (_mix_seed(params.seed, i) if params.seed is not None
                     else self._rng.getrandbits(63))
@@ -160,22 +157,11 @@ class Engine:
         self.stats.prompt_tokens += len(ids)
         return req
 
-    def _prompt_closes_thinking(self, ids: list[int]) -> bool:
-        """The prompt itself ends a thinking block, so the block never reopens: ``</think>``
-        followed by whitespace alone (``enable_thinking: false`` renders ``<think>\n\n
-        </think>\n\n``; a prefilled answer may end so). A ``</think>`` further back, of an
-        earlier turn (a tool loop's history), leaves the new turn free to think."""
-        end, tail = self.cfg.think_tags.end, ids[-_CLOSING_TAIL:]
-        if end not in tail:
-            return False
-        after = tail[len(tail) - tail[::-1].index(end):]
-        return not after or not self.tokenizer.decode(after).strip()
-
     @staticmethod
     def _gate_grammar(seq: Sequence, in_reasoning: bool, prompt_ids: list[int],
                       closed: bool) -> None:
         """A reasoning model's constraint holds once the reasoning ended (vLLM's rule): at
-        once when the prompt closed it (``closed``: ``_prompt_closes_thinking``) or with
+        once when the prompt closed it (``closed``: ``ThinkTags.closed_by``) or with
         ``in_reasoning``, after ``</think>`` when the prompt opened it, and otherwise (no tag:
         a completions prompt, a template that leaves thinking to the model; or an earlier
         turn's ``</think>``) the first token decides: ``<think>`` opens the reasoning, any

@@ -2,7 +2,8 @@
 
 Owns the parser names, the two tags and their token ids in the engine's vocabulary
 (``ThinkTags``), and vLLM's rule for whether the reasoning has ended. The engine uses them for
-two things: once a row has generated ``</think>``, both tags are banned for the rest of that row
+two things: once a row's thinking closed (it generated ``</think>``, or its prompt ended with
+the block closed: ``ThinkTags.closed_by``), both tags are banned for the rest of that row
 (the seed's closed-thinking ``RowMask``: a sampling update adds them to the row's banned ids, so
 thinking can never reopen, greedy and sampled alike); and a structured-output constraint holds
 only after the reasoning has ended (vLLM's behaviour), unless it asks to hold inside it too.
@@ -13,11 +14,13 @@ refused at start, as vLLM refuses it); without one nothing here runs. Pure Pytho
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
 
 #: vLLM's names for the parsers this engine has; both use ``<think>`` / ``</think>``.
 REASONING_PARSERS = ("qwen3", "deepseek_r1")
 THINK_START, THINK_END = "<think>", "</think>"
+#: a prompt's last tokens that may hold the ``</think>`` closing its own turn
+CLOSING_TAIL = 6
 
 
 @dataclass(frozen=True, slots=True)
@@ -48,6 +51,18 @@ class ThinkTags:
     @property
     def ids(self) -> tuple[int, int]:
         return (self.start, self.end) if self.start < self.end else (self.end, self.start)
+
+    def closed_by(self, ids: Sequence[int], decode: Callable[[list[int]], str]) -> bool:
+        """Whether ``ids`` (a prompt) end a thinking block themselves: ``</think>`` followed by
+        whitespace alone (``enable_thinking: false`` renders ``<think>\n\n</think>\n\n``; a
+        prefilled answer may end so), among the last ``CLOSING_TAIL`` tokens. A ``</think>``
+        further back, of an earlier turn (a tool loop's history), leaves the new turn free to
+        think."""
+        tail = list(ids[-CLOSING_TAIL:])
+        if self.end not in tail:
+            return False
+        after = tail[len(tail) - tail[::-1].index(self.end):]
+        return not after or not decode(after).strip()
 
     def last_tag(self, ids: Sequence[int]) -> int | None:
         """The last thinking tag among ``ids`` (``start`` or ``end``), None without one: the
