@@ -25,7 +25,7 @@ import torch
 from torch import nn
 
 from epserve.kernels.attention import AttentionMetadata
-from epserve.kernels.linear import linear
+from epserve.kernels.shared_expert import shared_expert_add
 from epserve.models.causal_lm import DecoderOnlyLM, pre_norm_block
 from epserve.models.config import ModelConfig
 from epserve.models.gated_attention import GatedAttention, map_gated_attention
@@ -52,7 +52,7 @@ class SharedExpertMoeBlock(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """x: [T, H]. Returns [T, H]."""
-        return self.routed(x) + self._shared(x)
+        return self._add_shared(x, self.routed(x))
 
     def forward_prenorm(self, x: torch.Tensor, residual: torch.Tensor, norm: nn.Module,
                         row_slots: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
@@ -60,10 +60,14 @@ class SharedExpertMoeBlock(nn.Module):
         router in one launch at decode sizes (``SparseMoeBlock.route_prenorm``). Returns
         ``(output, new residual)``."""
         hidden, residual, ids, weights = self.routed.route_prenorm(x, residual, norm, row_slots)
-        return self.routed.run_experts(hidden, ids, weights) + self._shared(hidden), residual
+        return self._add_shared(hidden, self.routed.run_experts(hidden, ids, weights)), residual
 
-    def _shared(self, x: torch.Tensor) -> torch.Tensor:
-        return torch.sigmoid(linear(x, self.shared_expert_gate.weight)) * self.shared_expert(x)
+    def _add_shared(self, x: torch.Tensor, routed: torch.Tensor) -> torch.Tensor:
+        """``routed + sigmoid(shared_expert_gate(x)) * shared_expert(x)``: two launches at one
+        row on the Triton path (``shared_expert_add``), the eager ops otherwise."""
+        mlp = self.shared_expert
+        return shared_expert_add(x, routed, mlp.gate_up_proj.weight, mlp.down_proj.weight,
+                                 self.shared_expert_gate.weight)
 
 
 class HybridDecoderLayer(nn.Module):

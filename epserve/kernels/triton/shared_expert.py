@@ -1,0 +1,130 @@
+"""Triton gated shared expert for one row: two launches instead of three GEMVs and five
+elementwise ops.
+
+Same contract as ``epserve.kernels.shared_expert.shared_expert_ref`` (the definition) for
+``T == 1``:
+
+1. ``_gate_up_gate_kernel``: one GEMV over two weights, ``[g, u, logit] = x @ [w_gate_up;
+   w_gate]^T`` into one [2I + 1] buffer (the programs past w_gate_up's rows read w_gate's row:
+   no weight is copied or concatenated), each output rounded to x's dtype as ``linear``'s.
+2. ``_swiglu_down_kernel``: the down GEMV whose prologue forms ``silu(g) * u`` chunk by chunk
+   (each rounded to the dtype, as the eager ``silu`` then ``mul``) and whose epilogue is
+   ``routed + sigmoid(logit) * y`` (``y``, the sigmoid and the product each rounded, then the
+   sum), as the eager ``sigmoid``, ``mul`` and ``add``.
+
+Layout as ``linear``'s GEMV (``default_gemv_tiles``): program ``p`` owns output rows ``[p *
+BLOCK_N, +BLOCK_N)`` and walks K in ``BLOCK_K`` steps in a float32 [BLOCK_N, BLOCK_K] tile,
+reduced once. Only the order of the float32 sums differs from the eager ops: float32 agrees to
+~1e-6 relative, half precision to one unit in the last place of a rounding point.
+
+CUDA-graph capturable (no host syncs; outputs allocated from shapes). Importing this module
+imports triton; kernels decorated while ``TRITON_INTERPRET=1`` is set run in the interpreter.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from epserve.kernels.dispatch import DTYPES, check_devices, interpreted
+from epserve.kernels.triton.linear import default_gemv_tiles
+
+
+@triton.jit
+def _gemv_rows(x_ptr, w_ptr, out_ptr, row0, N, stride_wn,
+               K: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    """``out[r] = w[r] . x`` for rows ``[row0, row0 + BLOCK_N)`` below N (rounded to out's
+    dtype)."""
+    rows = row0 + tl.arange(0, BLOCK_N)
+    r_ok = rows < N
+    w_rows = w_ptr + rows[:, None].to(tl.int64) * stride_wn
+    acc = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        cols = k0 + tl.arange(0, BLOCK_K)
+        c_ok = cols < K
+        w = tl.load(w_rows + cols[None, :], mask=r_ok[:, None] & c_ok[None, :], other=0.0)
+        xv = tl.load(x_ptr + cols, mask=c_ok, other=0.0)
+        acc += w.to(tl.float32) * xv.to(tl.float32)[None, :]
+    tl.store(out_ptr + rows, tl.sum(acc, axis=1).to(out_ptr.dtype.element_ty), mask=r_ok)
+
+
+@triton.jit
+def _gate_up_gate_kernel(x_ptr, wa_ptr, wb_ptr, out_ptr, NA, NB, stride_wa, stride_wb,
+                         K: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    """Output rows [0, NA) from ``wa`` (gate_up), [NA, NA + NB) from ``wb`` (the gate)."""
+    pid = tl.program_id(0)
+    blocks_a = tl.cdiv(NA, BLOCK_N)
+    if pid < blocks_a:
+        _gemv_rows(x_ptr, wa_ptr, out_ptr, pid * BLOCK_N, NA, stride_wa, K, BLOCK_N, BLOCK_K)
+    else:
+        _gemv_rows(x_ptr, wb_ptr, out_ptr + NA, (pid - blocks_a) * BLOCK_N, NB, stride_wb, K,
+                   BLOCK_N, BLOCK_K)
+
+
+@triton.jit
+def _swiglu_down_kernel(gu_ptr, w_ptr, routed_ptr, out_ptr, N, stride_wn,
+                        I: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    """``out = routed + sigmoid(gu[2I]) * (w @ (silu(gu[:I]) * gu[I:2I]))`` over rows
+    ``[pid * BLOCK_N, +BLOCK_N)``, rounded to out's dtype where the eager ops round."""
+    dt = out_ptr.dtype.element_ty
+    rows = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    r_ok = rows < N
+    w_rows = w_ptr + rows[:, None].to(tl.int64) * stride_wn
+    acc = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
+    for k0 in range(0, I, BLOCK_K):
+        cols = k0 + tl.arange(0, BLOCK_K)
+        c_ok = cols < I
+        g = tl.load(gu_ptr + cols, mask=c_ok, other=0.0).to(tl.float32)
+        u = tl.load(gu_ptr + I + cols, mask=c_ok, other=0.0).to(tl.float32)
+        silu = (g / (1.0 + tl.exp(-g))).to(dt).to(tl.float32)  # silu as torch writes it
+        act = (silu * u).to(dt).to(tl.float32)
+        w = tl.load(w_rows + cols[None, :], mask=r_ok[:, None] & c_ok[None, :], other=0.0)
+        acc += w.to(tl.float32) * act[None, :]
+    y = tl.sum(acc, axis=1).to(dt).to(tl.float32)
+    logit = tl.load(gu_ptr + 2 * I).to(tl.float32)
+    gate = (1.0 / (1.0 + tl.exp(-logit))).to(dt).to(tl.float32)  # sigmoid as torch writes it
+    r = tl.load(routed_ptr + rows, mask=r_ok, other=0.0).to(tl.float32)
+    out = r + (gate * y).to(dt).to(tl.float32)
+    tl.store(out_ptr + rows, out.to(dt), mask=r_ok)
+
+
+# triton.jit picks the interpreter from TRITON_INTERPRET when this module is imported.
+INTERPRETED = interpreted(_swiglu_down_kernel)
+
+
+def shared_expert_triton(x: torch.Tensor, routed: torch.Tensor, w_gate_up: torch.Tensor,
+                         w_down: torch.Tensor, w_gate: torch.Tensor) -> torch.Tensor:
+    """``shared_expert_ref`` for one row in two launches: x, routed [1, H]; w_gate_up [2I, H];
+    w_down [H, I]; w_gate [1, H]; one dtype of ``DTYPES``, last dims contiguous (row strides
+    free). Returns a new [1, H] tensor."""
+    name = "shared_expert_triton"
+    if x.dim() != 2 or x.shape[0] != 1 or routed.shape != x.shape:
+        raise ValueError(f"{name}: x {tuple(x.shape)} and routed {tuple(routed.shape)} must "
+                         f"be [1, H]")
+    h = x.shape[1]
+    i = w_down.shape[1] if w_down.dim() == 2 else -1
+    if w_gate_up.shape != (2 * i, h) or w_down.shape != (h, i) or w_gate.shape != (1, h) \
+            or i < 1:
+        raise ValueError(f"{name}: w_gate_up {tuple(w_gate_up.shape)}, w_down "
+                         f"{tuple(w_down.shape)}, w_gate {tuple(w_gate.shape)} must be "
+                         f"[2I, {h}], [{h}, I], [1, {h}] with I >= 1")
+    tensors = (x, routed, w_gate_up, w_down, w_gate)
+    if x.dtype not in DTYPES or any(t.dtype != x.dtype for t in tensors):
+        raise ValueError(f"{name}: dtypes {[t.dtype for t in tensors]} must be one of {DTYPES}")
+    if any(t.stride(-1) != 1 for t in tensors):
+        raise ValueError(f"{name}: every tensor needs a contiguous last dim")
+    check_devices(name, tensors, INTERPRETED, "epserve.kernels.triton.shared_expert")
+    gu = torch.empty((1, 2 * i + 1), dtype=x.dtype, device=x.device)  # [g, u, logit]
+    out = torch.empty((1, h), dtype=x.dtype, device=x.device)
+    if h == 0:
+        return out
+    bn, bk, nw, ns = default_gemv_tiles(2 * i + 1, h, x.element_size())
+    _gate_up_gate_kernel[(triton.cdiv(2 * i, bn) + 1,)](
+        x, w_gate_up, w_gate, gu, 2 * i, 1, w_gate_up.stride(0), w_gate.stride(0),
+        K=h, BLOCK_N=bn, BLOCK_K=bk, num_warps=nw, num_stages=ns)
+    bn, bk, nw, ns = default_gemv_tiles(h, i, x.element_size())
+    _swiglu_down_kernel[(triton.cdiv(h, bn),)](
+        gu, w_down, routed, out, h, w_down.stride(0), I=i, BLOCK_N=bn, BLOCK_K=bk,
+        num_warps=nw, num_stages=ns)
+    return out
