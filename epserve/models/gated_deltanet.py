@@ -22,7 +22,10 @@ verify's sequences (``meta.state_hold``) run from their states but do not write 
 logs their conv inputs, g and beta (``meta.state_log``), and once the verdict is known ``fold``
 advances each state by the accepted tokens only (so a rejected draft never touches a state).
 Only such a step computes g and beta as tensors (``delta_gates_ref``): any other step hands a
-and b to ``gated_delta_step_gates``, whose decode kernel computes them in its programs.
+and b to ``gated_delta_step_gates``, whose decode kernel computes them in its programs, and
+runs its projections through ``deltanet_proj`` (``in_proj_conv``, ``gated_norm_out_proj``): a
+one-row decode step on CUDA is then three launches (the input projection with the conv
+update, the decode kernel, the gated norm with the output projection).
 """
 
 from __future__ import annotations
@@ -32,6 +35,7 @@ from torch import nn
 
 from epserve.kernels.attention import AttentionMetadata
 from epserve.kernels.causal_conv import causal_conv_step
+from epserve.kernels.deltanet_proj import gated_norm_out_proj, in_proj_conv
 from epserve.kernels.gated_delta import (delta_gates_ref, gated_delta_step,
                                          gated_delta_step_gates)
 from epserve.kernels.linear import linear
@@ -89,27 +93,29 @@ class GatedDeltaNet(nn.Module):
             raise ValueError(f"GatedDeltaNet: query_start_loc must start at 0, got {qsl[0]}")
         t, n = x.shape[0], qsl[-1]
         hv, dv = self.num_v_heads, self.head_v_dim
-        proj = linear(x[:n], self.in_proj.weight)  # [n, C + Hv Dv + 2 Hv]
-        mixed, z, b, a = proj.split([self.conv_dim, self.value_dim, hv, hv], dim=-1)
         conv_state, rec_state = states
         slots, hold = meta.state_slots, meta.state_hold
         fresh = fresh_sequences(meta, x.device)  # [S]
         decode = qsl == tuple(range(len(qsl)))
         if hold:  # a verify's rows: what folding an accepted prefix in needs
+            proj = linear(x[:n], self.in_proj.weight)  # [n, C + Hv Dv + 2 Hv]
+            mixed, z, b, a = proj.split([self.conv_dim, self.value_dim, hv, hv], dim=-1)
             g, beta = delta_gates_ref(a, b, self.A_log, self.dt_bias)  # [n, Hv]: g <= 0
             rows = held_rows(meta, x.device)
             meta.state_log.append((mixed[rows], g[rows], beta[rows]))
-        mixed = causal_conv_step(mixed, self.conv_weight, conv_state, slots, fresh, qsl,
-                                 decode, hold)  # SiLU'd
-        q, k, v = self._qkv(mixed)
-        if hold:
-            o = gated_delta_step(q, k, v, g, beta, rec_state, slots, fresh, qsl, decode,
-                                 hold)  # [n, Hv, Dv]
-        else:  # g and beta from a, b (inside the decode kernel on a CUDA decode step)
-            o = gated_delta_step_gates(q, k, v, a, b, self.A_log, self.dt_bias, rec_state, slots,
-                                       fresh, qsl, decode)
-        o = self.norm(o, z.view(n, hv, dv))  # z read in place (one launch on CUDA)
-        out = linear(o.reshape(n, self.value_dim), self.out_proj.weight)  # [n, H]
+            mixed = causal_conv_step(mixed, self.conv_weight, conv_state, slots, fresh, qsl,
+                                     decode, hold)  # SiLU'd
+            o = gated_delta_step(*self._qkv(mixed), g, beta, rec_state, slots, fresh, qsl,
+                                 decode, hold)  # [n, Hv, Dv]
+        else:  # the conv in the projection's launch and g, beta in the decode kernel's (CUDA)
+            mixed, rest = in_proj_conv(x[:n], self.in_proj.weight, self.conv_weight,
+                                       conv_state, slots, fresh, qsl, decode)  # SiLU'd
+            z, b, a = rest.split([self.value_dim, hv, hv], dim=-1)
+            o = gated_delta_step_gates(*self._qkv(mixed), a, b, self.A_log, self.dt_bias,
+                                       rec_state, slots, fresh, qsl, decode)
+        # the gated norm (z read in place) and out_proj: one launch on CUDA at one row
+        out = gated_norm_out_proj(o, z.view(n, hv, dv), self.norm.weight, self.norm.eps,
+                                  self.out_proj.weight)  # [n, H]
         if n < t:  # padding rows
             out = torch.cat([out, out.new_zeros(t - n, out.shape[1])])
         return out

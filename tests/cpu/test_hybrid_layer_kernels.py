@@ -1,10 +1,11 @@
 """The hybrids' token mixers on the Triton path (every kernel in the interpreter, on CPU) against
 the same layers on the reference path (what a CPU run takes; the parity tests hold it to
 transformers): a GatedDeltaNet layer and a GatedAttention layer (partial rotary 0.25,
-zero-centred q/k norms, output gate) through a chunked prefill of two sequences and decode
-steps with device lengths (a CUDA graph's form: one fused launch per op), with the layer's
-norm before it; and a held speculative verify on the DeltaNet layer, which still logs g and
-beta as tensors and folds the accepted prefix in.
+zero-centred q/k norms, output gate) through a prefill of two sequences (or one) and decode
+steps with device lengths (a CUDA graph's form: one fused launch per op; at one row the
+DeltaNet's conv and gated norm inside its projections' launches), with the layer's norm before
+it; and a held speculative verify on the DeltaNet layer, which still logs g and beta as
+tensors and folds the accepted prefix in.
 
 fp32 throughout: outputs, states and caches agree to float32 rounding (the kernels sum in
 another order), so the tolerance is 1e-4.
@@ -27,7 +28,7 @@ from epserve.models.gated_deltanet import GatedDeltaNet  # noqa: E402
 from epserve.models.layers import RotaryEmbedding, ZeroCentredRMSNorm  # noqa: E402
 
 _NAMES = ("norm", "linear", "causal_conv_update", "gated_delta_decode", "rope", "rope_decode",
-          "paged_attention", "paged_prefill", "kv_write")
+          "paged_attention", "paged_prefill", "kv_write", "deltanet_proj")
 _MODS = interpreted_modules(*_NAMES)
 TOL = dict(atol=1e-4, rtol=1e-4)
 BS = 4
@@ -75,21 +76,30 @@ def _meta(qsl, seq_lens, decode, tables, slots, **kw):
 
 
 _MOD = dict(zip(_NAMES, _MODS))
-#: the kernels a decode step of each layer must launch on the Triton path (module, entry)
+#: the kernels a decode step of each layer must launch on the Triton path (module, entry);
+#: a one-row step's DeltaNet fuses the conv and the gated norm into its projections' GEMVs
 _DECODE_KERNELS = {
     "linear_attention": [("norm", "fused_add_rms_norm_triton"),
                          ("causal_conv_update", "causal_conv_update_triton"),
                          ("gated_delta_decode", "gated_delta_decode_gates_triton"),
                          ("norm", "gated_rms_norm_triton")],
+    "linear_attention_one_row": [("norm", "fused_add_rms_norm_triton"),
+                                 ("deltanet_proj", "in_proj_conv_triton"),
+                                 ("gated_delta_decode", "gated_delta_decode_gates_triton"),
+                                 ("deltanet_proj", "gated_norm_out_proj_triton")],
     "full_attention": [("norm", "fused_add_rms_norm_triton"),
                        ("rope_decode", "rope_paged_decode_triton")],
 }
+#: what a one-row decode step must not launch (fused away)
+_FUSED_AWAY = {"linear_attention_one_row": [("causal_conv_update", "causal_conv_update_triton"),
+                                            ("norm", "gated_rms_norm_triton"),
+                                            ("linear", "linear_gemv_triton")]}
 
 
 def _spy(monkeypatch, layer_type) -> dict:
-    """Count the calls of the layer type's decode kernels."""
+    """Count the calls of the layer type's decode kernels (and of those it fuses away)."""
     calls: dict = {}
-    for mod, name in _DECODE_KERNELS[layer_type]:
+    for mod, name in _DECODE_KERNELS[layer_type] + _FUSED_AWAY.get(layer_type, []):
         fn = getattr(_MOD[mod], name)
 
         def spy(*a, _fn=fn, _name=name, **kw):
@@ -100,11 +110,13 @@ def _spy(monkeypatch, layer_type) -> dict:
     return calls
 
 
-def _run_layer(layer_type, interpreted, monkeypatch):
+def _run_layer(layer_type, interpreted, monkeypatch, prompt_lens=(7, 5)):
     """The layer's outputs over the steps and its cache afterwards, on one path."""
+    kernels = layer_type + ("_one_row" if len(prompt_lens) == 1
+                            and layer_type == "linear_attention" else "")
     if interpreted:
         use_interpreted(monkeypatch, _NAMES, _MODS)
-        calls = _spy(monkeypatch, layer_type)
+        calls = _spy(monkeypatch, kernels)
     else:
         monkeypatch.delenv("TRITON_INTERPRET", raising=False)
     cfg = _cfg(layer_type)
@@ -125,25 +137,29 @@ def _run_layer(layer_type, interpreted, monkeypatch):
         cache = tuple(torch.randn(12, BS, cfg.num_kv_heads, cfg.head_dim, generator=gen)
                       for _ in range(2))
     rope = RotaryEmbedding(cfg.rotary_dim, cfg.max_position_embeddings, cfg.rope_theta)
-    tables = torch.tensor([[1, 2, 3, 4], [5, 6, 7, 8]], dtype=torch.int32)
-    slots = torch.tensor([2, 1])
+    tables = torch.tensor([[1, 2, 3, 4], [5, 6, 7, 8]], dtype=torch.int32)[:len(prompt_lens)]
+    slots = torch.tensor([2, 1])[:len(prompt_lens)]
     gen = torch.Generator().manual_seed(4)
     outs = []
-    for n, qsl, seq_lens, decode in _steps([7, 5], 3):
+    for n, qsl, seq_lens, decode in _steps(list(prompt_lens), 3):
         x, res = (torch.randn(n, cfg.hidden_size, generator=gen) for _ in range(2))
         meta, positions = _meta(qsl, seq_lens, decode, tables, slots)
         with torch.no_grad():
             h, res = norm(x, res)
             outs.append(mixer(positions, h, cache, meta, rope))
-    if interpreted:  # every decode step (3) ran each of them
-        assert all(calls.get(name, 0) >= 3 for _, name in _DECODE_KERNELS[layer_type]), calls
+        if interpreted and not decode:  # count the decode steps' launches only
+            calls.clear()
+    if interpreted:  # every decode step (3) ran each of them, and none what it fuses away
+        assert all(calls.get(name, 0) >= 3 for _, name in _DECODE_KERNELS[kernels]), calls
+        assert not any(calls.get(name) for _, name in _FUSED_AWAY.get(kernels, [])), calls
     return outs, cache
 
 
+@pytest.mark.parametrize("prompt_lens", [(7, 5), (7,)], ids=["two_seqs", "one_seq"])
 @pytest.mark.parametrize("layer_type", ["linear_attention", "full_attention"])
-def test_layer_on_the_kernels_follows_the_reference(layer_type, monkeypatch):
-    want, want_cache = _run_layer(layer_type, False, monkeypatch)
-    got, got_cache = _run_layer(layer_type, True, monkeypatch)
+def test_layer_on_the_kernels_follows_the_reference(layer_type, prompt_lens, monkeypatch):
+    want, want_cache = _run_layer(layer_type, False, monkeypatch, prompt_lens)
+    got, got_cache = _run_layer(layer_type, True, monkeypatch, prompt_lens)
     for i, (g, w) in enumerate(zip(got, want, strict=True)):
         torch.testing.assert_close(g, w, **TOL, msg=f"step {i}")
     for g, w in zip(got_cache, want_cache, strict=True):

@@ -1,0 +1,171 @@
+"""Triton: a gated-DeltaNet layer's two projections at one row, each with the op beside it in
+the same launch (contracts: ``epserve.kernels.deltanet_proj``, the references).
+
+``_in_proj_conv_kernel``: ``linear``'s GEMV (``default_gemv_tiles``: program ``p`` owns output
+rows ``[p * BLOCK_N, +BLOCK_N)``) whose epilogue runs the causal-conv decode update on the rows
+below C, which are conv channels: the projection rounded to its dtype (what ``linear``
+returns) is the conv's input, read with the channel's last K - 1 inputs from the sequence's
+slot (zeros when fresh: nothing read), the window shifted and stored back, SiLU applied, as
+``causal_conv_update``'s kernel does; rows from C on are stored as projected. A channel
+belongs to one program, so its state is read and written by one thread: no race.
+
+``_gated_norm_out_kernel``: the output projection's GEMV over K = Hv Dv walked HB value heads
+at a time (a [BLOCK_N, HB, Dv] weight tile); its prologue forms each head's gated norm
+``rms_norm(o_h) * w * silu(z_h)`` rounded as ``gated_rms_norm_triton`` does (every program
+recomputes it for the heads it streams: a few KB of o and z per program against its weight
+rows).
+
+Both are bit-compatible in what they store with the two launches they replace but for the
+order of float32 sums. CUDA-graph capturable (slots and the fresh flag read on the device).
+Importing this module imports triton; kernels decorated while ``TRITON_INTERPRET=1`` is set
+run in the interpreter.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from epserve.kernels.dispatch import (DTYPES, MAX_CONV_WIDTH, check_devices, check_state_step,
+                                      interpreted)
+from epserve.kernels.triton.linear import default_gemv_tiles
+
+
+@triton.jit
+def _in_proj_conv_kernel(x_ptr, w_ptr, cw_ptr, pool_ptr, slot_ptr, fresh_ptr, out_ptr,
+                         N, C, stride_wn, stride_cw, stride_pn, stride_pc, stride_pk,
+                         K: tl.constexpr, KW: tl.constexpr, BLOCK_N: tl.constexpr,
+                         BLOCK_K: tl.constexpr):
+    rows = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    r_ok = rows < N
+    w_rows = w_ptr + rows[:, None].to(tl.int64) * stride_wn
+    acc = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        cols = k0 + tl.arange(0, BLOCK_K)
+        c_ok = cols < K
+        w = tl.load(w_rows + cols[None, :], mask=r_ok[:, None] & c_ok[None, :], other=0.0)
+        xv = tl.load(x_ptr + cols, mask=c_ok, other=0.0)
+        acc += w.to(tl.float32) * xv.to(tl.float32)[None, :]
+    y = tl.sum(acc, axis=1).to(out_ptr.dtype.element_ty)  # the projection, as linear's
+    # The conv update of the rows that are conv channels (causal_conv_update's kernel).
+    conv = r_ok & (rows < C)
+    slot = tl.load(slot_ptr).to(tl.int64)
+    live_c = tl.where(tl.load(fresh_ptr) != 0, 0, C)  # a fresh sequence's past is zeros
+    state = pool_ptr + slot * stride_pn + rows.to(tl.int64) * stride_pc
+    cw_row = cw_ptr + rows * stride_cw
+    cacc = tl.load(cw_row + (KW - 1), mask=conv, other=0.0).to(tl.float32) * y.to(tl.float32)
+    for j in tl.static_range(KW - 1):
+        past = tl.load(state + j * stride_pk, mask=conv & (rows < live_c), other=0.0)
+        cacc += tl.load(cw_row + j, mask=conv, other=0.0).to(tl.float32) * past.to(tl.float32)
+        if j > 0:  # the window moves on: column j becomes column j - 1
+            tl.store(state + (j - 1) * stride_pk, past, mask=conv)
+    tl.store(state + (KW - 2) * stride_pk, y.to(pool_ptr.dtype.element_ty), mask=conv)
+    cacc = cacc * tl.sigmoid(cacc)
+    out = tl.where(rows < C, cacc.to(out_ptr.dtype.element_ty), y)
+    tl.store(out_ptr + rows, out, mask=r_ok)
+
+
+@triton.jit
+def _gated_norm_out_kernel(o_ptr, z_ptr, nw_ptr, w_ptr, out_ptr, N, stride_oh, stride_zh,
+                           stride_wn, eps, HV: tl.constexpr, DV: tl.constexpr,
+                           DV_P: tl.constexpr, HB: tl.constexpr, BLOCK_N: tl.constexpr):
+    dt = out_ptr.dtype.element_ty
+    rows = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    r_ok = rows < N
+    d = tl.arange(0, DV_P)
+    d_ok = d < DV
+    nw = tl.load(nw_ptr + d, mask=d_ok, other=0.0).to(tl.float32)
+    w_rows = w_ptr + rows[:, None, None].to(tl.int64) * stride_wn
+    acc = tl.zeros((BLOCK_N, HB, DV_P), dtype=tl.float32)
+    for h0 in range(0, HV, HB):
+        heads = h0 + tl.arange(0, HB)
+        m = (heads < HV)[:, None] & d_ok[None, :]
+        o = tl.load(o_ptr + heads[:, None] * stride_oh + d[None, :], mask=m,
+                    other=0.0).to(tl.float32)
+        normed = (o * tl.rsqrt(tl.sum(o * o, axis=1) / DV + eps)[:, None]).to(dt)
+        y = (nw[None, :] * normed.to(tl.float32)).to(dt).to(tl.float32)
+        z = tl.load(z_ptr + heads[:, None] * stride_zh + d[None, :], mask=m,
+                    other=0.0).to(tl.float32)
+        g = (y * (z / (1.0 + tl.exp(-z)))).to(dt).to(tl.float32)  # the gated norm's output
+        cols = heads[:, None] * DV + d[None, :]
+        w = tl.load(w_rows + cols[None, :, :], mask=r_ok[:, None, None] & m[None, :, :],
+                    other=0.0)
+        acc += w.to(tl.float32) * g[None, :, :]
+    out = tl.sum(tl.sum(acc, axis=2), axis=1)
+    tl.store(out_ptr + rows, out.to(dt), mask=r_ok)
+
+
+# triton.jit picks the interpreter from TRITON_INTERPRET when this module is imported.
+INTERPRETED = interpreted(_in_proj_conv_kernel)
+_MODULE = "epserve.kernels.triton.deltanet_proj"
+
+
+def in_proj_conv_triton(x: torch.Tensor, w_in: torch.Tensor, conv_weight: torch.Tensor,
+                        state_pool: torch.Tensor, slots: torch.Tensor,
+                        fresh: torch.Tensor) -> torch.Tensor:
+    """``in_proj_conv_ref`` for one row in one launch: x [1, H], w_in [N, H] (one dtype of
+    ``DTYPES``, last dims contiguous), conv_weight [C, K] (C <= N, 2 <= K <=
+    ``MAX_CONV_WIDTH``), state_pool [N_slots, C, K - 1] (updated in place at ``slots[0]``),
+    slots [1], fresh [1] bool. Returns a new [1, N]: the conv outputs, then the other
+    columns."""
+    name = "in_proj_conv_triton"
+    if x.dim() != 2 or x.shape[0] != 1 or w_in.dim() != 2 or w_in.shape[1] != x.shape[1]:
+        raise ValueError(f"{name}: x {tuple(x.shape)} must be [1, H] and w_in "
+                         f"{tuple(w_in.shape)} [N, H]")
+    n, h = w_in.shape
+    if conv_weight.dim() != 2 or not 2 <= conv_weight.shape[1] <= MAX_CONV_WIDTH \
+            or conv_weight.shape[0] > n:
+        raise ValueError(f"{name}: conv_weight {tuple(conv_weight.shape)} must be [C <= {n}, K] "
+                         f"with 2 <= K <= {MAX_CONV_WIDTH}")
+    c, kw = conv_weight.shape
+    check_state_step(name, state_pool, (c, kw - 1), slots, fresh, rows=1)
+    if x.dtype not in DTYPES or w_in.dtype != x.dtype or conv_weight.dtype not in DTYPES:
+        raise ValueError(f"{name}: x {x.dtype}, w_in {w_in.dtype} (one of {DTYPES}) and "
+                         f"conv_weight {conv_weight.dtype}")
+    if any(t.stride(-1) != 1 for t in (x, w_in, conv_weight)):
+        raise ValueError(f"{name}: x, w_in and conv_weight need a contiguous last dim")
+    check_devices(name, (x, w_in, conv_weight, state_pool, slots, fresh), INTERPRETED, _MODULE)
+    out = torch.empty((1, n), dtype=x.dtype, device=x.device)
+    if n == 0 or h == 0:
+        return out
+    bn, bk, nw, ns = default_gemv_tiles(n, h, x.element_size())
+    _in_proj_conv_kernel[(triton.cdiv(n, bn),)](
+        x, w_in, conv_weight, state_pool, slots, fresh.view(torch.uint8), out, n, c,
+        w_in.stride(0), conv_weight.stride(0), state_pool.stride(0), state_pool.stride(1),
+        state_pool.stride(2), K=h, KW=kw, BLOCK_N=bn, BLOCK_K=bk, num_warps=nw, num_stages=ns)
+    return out
+
+
+def gated_norm_out_proj_triton(o: torch.Tensor, z: torch.Tensor, norm_weight: torch.Tensor,
+                               eps: float, w_out: torch.Tensor) -> torch.Tensor:
+    """``gated_norm_out_proj_ref`` for one row in one launch: o, z [1, Hv, Dv] (o and w_out
+    [H, Hv Dv] one dtype of ``DTYPES``; z any of them; last dims contiguous, other strides
+    free), norm_weight [Dv]. Returns a new [1, H] in o's dtype."""
+    name = "gated_norm_out_proj_triton"
+    if o.dim() != 3 or o.shape[0] != 1 or z.shape != o.shape:
+        raise ValueError(f"{name}: o {tuple(o.shape)} and z {tuple(z.shape)} must be "
+                         f"[1, Hv, Dv]")
+    _, hv, dv = o.shape
+    if norm_weight.shape != (dv,) or w_out.dim() != 2 or w_out.shape[1] != hv * dv:
+        raise ValueError(f"{name}: norm_weight {tuple(norm_weight.shape)} must be [{dv}] and "
+                         f"w_out {tuple(w_out.shape)} [H, {hv * dv}]")
+    if o.dtype not in DTYPES or w_out.dtype != o.dtype or z.dtype not in DTYPES \
+            or norm_weight.dtype not in DTYPES:
+        raise ValueError(f"{name}: o {o.dtype} and w_out {w_out.dtype} must share one of "
+                         f"{DTYPES}; z {z.dtype}, norm_weight {norm_weight.dtype} in it")
+    if any(t.stride(-1) != 1 for t in (o, z, w_out)) and dv > 1:
+        raise ValueError(f"{name}: o, z and w_out need a contiguous last dim")
+    check_devices(name, (o, z, norm_weight, w_out), INTERPRETED, _MODULE)
+    h = w_out.shape[0]
+    out = torch.empty((1, h), dtype=o.dtype, device=o.device)
+    if h == 0 or hv * dv == 0:
+        return out
+    bn, bk, nw, ns = default_gemv_tiles(h, hv * dv, o.element_size())
+    dv_p = triton.next_power_of_2(dv)
+    hb = max(1, min(triton.next_power_of_2(hv), bk // dv_p))
+    _gated_norm_out_kernel[(triton.cdiv(h, bn),)](
+        o, z, norm_weight.contiguous(), w_out, out, h, o.stride(1), z.stride(1),
+        w_out.stride(0), float(eps), HV=hv, DV=dv, DV_P=dv_p, HB=hb, BLOCK_N=bn,
+        num_warps=nw, num_stages=ns)
+    return out
