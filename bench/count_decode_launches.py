@@ -6,6 +6,7 @@ interpreter) exactly as a decode CUDA graph captures it (``worker/cuda_graphs.py
 device lengths, a state slot per row).
 
     python bench/count_decode_launches.py [--arch qwen3.5 qwen3-next] [--dtype bfloat16] [--ops]
+    python bench/count_decode_launches.py --batch 4  # a larger rung
 
 Torch ops are counted with a ``TorchDispatchMode`` (aten ops, as the profiler sees them);
 those that launch nothing on a GPU (views, ``empty``) are listed apart. Triton launches are
@@ -140,9 +141,9 @@ def _layer_kind(model, i: int) -> str:
     return kind + ("" if hasattr(layer.ffn, "routed") else "+dense")
 
 
-def build(arch: str, dtype: torch.dtype):
-    """The tiny model of ``arch`` (dummy weights), its caches and a batch-1 decode step's
-    inputs as ``DecodeGraphs`` gives them (one row, device lengths, the row's state slot)."""
+def build(arch: str, dtype: torch.dtype, batch: int = 1):
+    """The tiny model of ``arch`` (dummy weights), its caches and a decode step's inputs of
+    ``batch`` rows as ``DecodeGraphs`` gives them (device lengths, a state slot per row)."""
     from epserve.kernels.attention import AttentionMetadata
     from epserve.models.layer_cache import KvCacheSpec
     from epserve.models.loader import load_model
@@ -150,29 +151,30 @@ def build(arch: str, dtype: torch.dtype):
     folder = Path(tempfile.mkdtemp())
     (folder / "config.json").write_text(json.dumps(ARCHS[arch]))
     model, cfg = load_model(folder, dtype=dtype, device="cpu", load_format="dummy")
-    block_size, blocks, n_slots, seq_len = 16, 8, 3, 9
+    block_size, seq_len = 16, 9
     caches = []
     for spec in model.layer_cache_specs():
         if isinstance(spec, KvCacheSpec):
-            shape = (blocks, block_size, spec.num_kv_heads, spec.head_dim)
+            shape = (2 * batch, block_size, spec.num_kv_heads, spec.head_dim)
             caches.append(tuple(torch.randn(shape).to(dtype) * 0.1 for _ in range(2)))
         else:
-            conv, rec = spec.allocate(n_slots, "cpu")
+            conv, rec = spec.allocate(batch + 1, "cpu")
             caches.append((conv.normal_(0, 0.1), rec.normal_(0, 0.1)))
 
     def meta():  # a new one per forward: what a step computes once is counted once
         return AttentionMetadata(
-            slot_mapping=torch.tensor([block_size + seq_len - 1]), query_start_loc=(0, 1),
-            seq_lens=(1,), block_tables=torch.tensor([[0, 1]], dtype=torch.int32),
-            block_size=block_size, seq_lens_t=torch.tensor([seq_len], dtype=torch.int32),
-            state_slots=torch.tensor([1]))
+            slot_mapping=torch.arange(batch) * 2 * block_size + seq_len - 1,
+            query_start_loc=tuple(range(batch + 1)), seq_lens=(1,) * batch,
+            block_tables=torch.arange(2 * batch, dtype=torch.int32).view(batch, 2),
+            block_size=block_size, seq_lens_t=torch.full((batch,), seq_len, dtype=torch.int32),
+            state_slots=torch.arange(batch) + 1)
 
-    ids, pos = torch.tensor([7]), torch.tensor([seq_len - 1])
+    ids, pos = torch.arange(batch) + 7, torch.full((batch,), seq_len - 1)
     return model, caches, meta, ids, pos
 
 
-def count(arch: str, dtype: torch.dtype) -> tuple[Counts, list[str]]:
-    model, caches, meta, ids, pos = build(arch, dtype)
+def count(arch: str, dtype: torch.dtype, batch: int = 1) -> tuple[Counts, list[str]]:
+    model, caches, meta, ids, pos = build(arch, dtype, batch)
     counts = Counts()
     kinds = []
     import epserve.models.gated_deltanet as gdn
@@ -215,7 +217,7 @@ def _ops(parts: Counter) -> Counter:
     return out
 
 
-def report(arch: str, counts: Counts, kinds: list[str], show_ops: bool) -> None:
+def report(arch: str, counts: Counts, kinds: list[str], show_ops: bool, batch: int = 1) -> None:
     by_kind: dict[str, list] = defaultdict(lambda: [0, Counter(), Counter()])
     for where in set(counts.torch) | set(counts.triton):
         idx = where.split("/")[0]
@@ -228,7 +230,8 @@ def report(arch: str, counts: Counts, kinds: list[str], show_ops: bool) -> None:
         by_kind[k][0] += 1
     by_kind["model"][0] = 1
     order = sorted(by_kind, key=lambda k: (k == "model", k))
-    print(f"\n{arch}: one batch-1 decode forward ({len(kinds)} layers), per layer of each kind")
+    print(f"\n{arch}: one batch-{batch} decode forward ({len(kinds)} layers), per layer of each "
+          f"kind")
     print("| layer kind | layers | torch launches | of which copies | Triton launches | "
           "launches | no-kernel torch ops | host syncs |")
     print("|---|---:|---:|---:|---:|---:|---:|---:|")
@@ -263,11 +266,12 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--arch", nargs="+", choices=sorted(ARCHS), default=["qwen3.5", "qwen3-next"])
     ap.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
     ap.add_argument("--ops", action="store_true", help="list every op and kernel per part")
+    ap.add_argument("--batch", type=int, default=1, help="decode rows (a CUDA graph's rung)")
     args = ap.parse_args(argv)
     torch.manual_seed(0)
     for arch in args.arch:
-        counts, kinds = count(arch, getattr(torch, args.dtype))
-        report(arch, counts, kinds, args.ops)
+        counts, kinds = count(arch, getattr(torch, args.dtype), args.batch)
+        report(arch, counts, kinds, args.ops, args.batch)
     return 0
 
 

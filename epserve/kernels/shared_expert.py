@@ -8,11 +8,12 @@ w_gate: [1, H] (the shared expert's gate). The projections are ``linear`` (float
 accumulation, rounded to x's dtype); every elementwise product is rounded to x's dtype, as
 torch's eager ops are (``shared_expert_ref`` is those ops, the definition).
 
-``shared_expert_add`` is the entry: a one-row step (a batch-1 decode, the CUDA graph's
-hottest case) where ``dispatch.use_triton`` says so runs ``epserve.kernels.triton.shared_expert``
-in two launches (the gate_up and gate projections as one GEMV; the SwiGLU, the down
-projection, the sigmoid gate and the add of the routed output as another) instead of eight
-(three GEMVs and five elementwise ops); any other step runs the reference.
+``shared_expert_add`` is the entry. Where ``dispatch.use_triton`` says so it runs
+``epserve.kernels.triton.shared_expert``: a one-row step (a batch-1 decode, the CUDA graph's
+hottest case) in two launches (the gate_up and gate projections as one GEMV; the SwiGLU, the
+down projection, the sigmoid gate and the add of the routed output as another) instead of
+eight (three GEMVs and five elementwise ops); more rows in five (the three projections, the
+SwiGLU as one elementwise launch, the gate and the add as another). Elsewhere the reference.
 """
 
 from __future__ import annotations
@@ -39,11 +40,16 @@ def shared_expert_add(x: torch.Tensor, routed: torch.Tensor, w_gate_up: torch.Te
     """Public entry for ``shared_expert_ref`` (same contract; the fused launches for one row
     on the Triton path)."""
     _check(x, routed, w_gate_up, w_down, w_gate)
-    if _fused_covers(x, routed, w_gate_up, w_down, w_gate):
+    if not _fused_covers(x, routed, w_gate_up, w_down, w_gate):
+        return shared_expert_ref(x, routed, w_gate_up, w_down, w_gate)
+    if x.shape[0] == 1:
         from epserve.kernels.triton.shared_expert import shared_expert_triton
 
         return shared_expert_triton(x, routed, w_gate_up, w_down, w_gate)
-    return shared_expert_ref(x, routed, w_gate_up, w_down, w_gate)
+    from epserve.kernels.triton.shared_expert import gate_add_triton, swiglu_triton
+
+    shared = linear(swiglu_triton(linear(x, w_gate_up)), w_down)  # [T, H]
+    return gate_add_triton(shared, linear(x, w_gate), routed)
 
 
 def _check(x, routed, w_gate_up, w_down, w_gate) -> None:
@@ -59,9 +65,9 @@ def _check(x, routed, w_gate_up, w_down, w_gate) -> None:
 
 
 def _fused_covers(x, routed, w_gate_up, w_down, w_gate) -> bool:
-    """One row on the Triton path, one dtype of ``DTYPES`` throughout, last dims contiguous."""
+    """The Triton path, one dtype of ``DTYPES`` throughout, last dims contiguous."""
     tensors = (x, routed, w_gate_up, w_down, w_gate)
-    if x.shape[0] != 1 or x.dtype not in DTYPES or any(t.dtype != x.dtype for t in tensors):
+    if x.shape[0] == 0 or x.dtype not in DTYPES or any(t.dtype != x.dtype for t in tensors):
         return False
     if any(t.stride(-1) != 1 for t in tensors) or w_down.shape[1] == 0:
         return False

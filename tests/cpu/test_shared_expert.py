@@ -88,22 +88,41 @@ def test_kernel_gate_saturates(interpret, monkeypatch):
 @pytest.mark.parametrize("rows", [1, 3])
 def test_entry_on_both_paths(path, rows, monkeypatch):
     """The block's call: equal to the reference; on the interpreted path one row takes the two
-    fused launches and nothing else, more rows the reference."""
+    fused launches, more rows the projections and two elementwise launches; no eager
+    elementwise op either way."""
     x, routed, w_gu, w_d, w_g = _case(rows, 48, 16, seed=rows)
     with monkeypatch.context() as m:
         m.delenv("TRITON_INTERPRET", raising=False)
         want = shared_expert_ref(x, routed, w_gu, w_d, w_g)
     calls = []
     if path == "interpreter":
-        real = sek.shared_expert_triton
-        monkeypatch.setattr(sek, "shared_expert_triton",
-                            lambda *a: calls.append(1) or real(*a))
-        if rows == 1:
-            monkeypatch.setattr(se, "shared_expert_ref", lambda *a: pytest.fail("unfused"))
-            monkeypatch.setattr(F, "silu", lambda *a: pytest.fail("silu in torch"))
+        for name in ("shared_expert_triton", "swiglu_triton", "gate_add_triton"):
+            monkeypatch.setattr(sek, name, lambda *a, _r=getattr(sek, name), _n=name:
+                                calls.append(_n) or _r(*a))
+        monkeypatch.setattr(se, "shared_expert_ref", lambda *a: pytest.fail("unfused"))
+        monkeypatch.setattr(F, "silu", lambda *a: pytest.fail("silu in torch"))
     got = shared_expert_add(x, routed, w_gu, w_d, w_g)
     torch.testing.assert_close(got, want, **FP32)
-    assert calls == ([1] if path == "interpreter" and rows == 1 else [])
+    fused = ["shared_expert_triton"] if rows == 1 else ["swiglu_triton", "gate_add_triton"]
+    assert calls == (fused if path == "interpreter" else [])
+
+
+@needs_triton
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+def test_elementwise_kernels_match_the_eager_ops(dtype, interpret):
+    """More rows: the SwiGLU and the gate + add each one launch, rounded as the eager ops
+    (bf16: the interpreter's truncation against torch's rounding, one ulp)."""
+    gen = torch.Generator().manual_seed(7)
+    gate_up = torch.randn(5, 2 * 24, generator=gen).to(dtype)
+    y, routed = (torch.randn(5, 40, generator=gen).to(dtype) for _ in range(2))
+    logit = (torch.randn(5, 3, generator=gen) * 4).to(dtype)[:, 1:2]  # a column of a wider one
+    tol = FP32 if dtype == torch.float32 else BF16
+    want = F.silu(gate_up[:, :24]) * gate_up[:, 24:]
+    torch.testing.assert_close(sek.swiglu_triton(gate_up), want, **tol)
+    torch.testing.assert_close(sek.gate_add_triton(y, logit, routed),
+                               routed + torch.sigmoid(logit) * y, **tol)
+    with pytest.raises(ValueError, match=r"\[T, 1\]"):
+        sek.gate_add_triton(y, torch.zeros(5, 2, dtype=dtype), routed)
 
 
 def test_entry_errors():

@@ -1,5 +1,5 @@
-"""Triton gated shared expert for one row: two launches instead of three GEMVs and five
-elementwise ops.
+"""Triton gated shared expert: for one row two launches instead of three GEMVs and five
+elementwise ops; for more rows the elementwise ops as two launches between the projections.
 
 Same contract as ``epserve.kernels.shared_expert.shared_expert_ref`` (the definition) for
 ``T == 1``:
@@ -11,6 +11,10 @@ Same contract as ``epserve.kernels.shared_expert.shared_expert_ref`` (the defini
    (each rounded to the dtype, as the eager ``silu`` then ``mul``) and whose epilogue is
    ``routed + sigmoid(logit) * y`` (``y``, the sigmoid and the product each rounded, then the
    sum), as the eager ``sigmoid``, ``mul`` and ``add``.
+
+More rows (the projections through ``linear``, i.e. cuBLAS): ``swiglu_triton`` (``silu(g) *
+u``) and ``gate_add_triton`` (``routed + sigmoid(logit) * y``), one program per row and column
+block, each rounding where the eager ops round.
 
 Layout as ``linear``'s GEMV (``default_gemv_tiles``): program ``p`` owns output rows ``[p *
 BLOCK_N, +BLOCK_N)`` and walks K in ``BLOCK_K`` steps in a float32 [BLOCK_N, BLOCK_K] tile,
@@ -89,6 +93,35 @@ def _swiglu_down_kernel(gu_ptr, w_ptr, routed_ptr, out_ptr, N, stride_wn,
     tl.store(out_ptr + rows, out.to(dt), mask=r_ok)
 
 
+@triton.jit
+def _swiglu_kernel(gu_ptr, out_ptr, stride_g, stride_o, I, BLOCK: tl.constexpr):
+    """Row ``pid0``: ``silu(gu[:I]) * gu[I:2I]``, each op rounded to out's dtype."""
+    dt = out_ptr.dtype.element_ty
+    row = tl.program_id(0).to(tl.int64)
+    cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    ok = cols < I
+    g = tl.load(gu_ptr + row * stride_g + cols, mask=ok, other=0.0).to(tl.float32)
+    u = tl.load(gu_ptr + row * stride_g + I + cols, mask=ok, other=0.0).to(tl.float32)
+    silu = (g / (1.0 + tl.exp(-g))).to(dt).to(tl.float32)
+    tl.store(out_ptr + row * stride_o + cols, (silu * u).to(dt), mask=ok)
+
+
+@triton.jit
+def _gate_add_kernel(y_ptr, logit_ptr, routed_ptr, out_ptr, stride_y, stride_l, stride_r,
+                     stride_o, H, BLOCK: tl.constexpr):
+    """Row ``pid0``: ``routed + sigmoid(logit) * y``, each op rounded to out's dtype."""
+    dt = out_ptr.dtype.element_ty
+    row = tl.program_id(0).to(tl.int64)
+    cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    ok = cols < H
+    logit = tl.load(logit_ptr + row * stride_l).to(tl.float32)
+    gate = (1.0 / (1.0 + tl.exp(-logit))).to(dt).to(tl.float32)
+    y = tl.load(y_ptr + row * stride_y + cols, mask=ok, other=0.0).to(tl.float32)
+    r = tl.load(routed_ptr + row * stride_r + cols, mask=ok, other=0.0).to(tl.float32)
+    tl.store(out_ptr + row * stride_o + cols, (r + (gate * y).to(dt).to(tl.float32)).to(dt),
+             mask=ok)
+
+
 # triton.jit picks the interpreter from TRITON_INTERPRET when this module is imported.
 INTERPRETED = interpreted(_swiglu_down_kernel)
 
@@ -127,4 +160,46 @@ def shared_expert_triton(x: torch.Tensor, routed: torch.Tensor, w_gate_up: torch
     _swiglu_down_kernel[(triton.cdiv(h, bn),)](
         gu, w_down, routed, out, h, w_down.stride(0), I=i, BLOCK_N=bn, BLOCK_K=bk,
         num_warps=nw, num_stages=ns)
+    return out
+
+
+def _rows_check(name: str, tensors) -> None:
+    if any(t.dim() != 2 or t.stride(-1) != 1 for t in tensors):
+        raise ValueError(f"{name}: 2-D tensors with a contiguous last dim, got "
+                         f"{[tuple(t.shape) for t in tensors]}")
+    if tensors[0].dtype not in DTYPES or any(t.dtype != tensors[0].dtype for t in tensors):
+        raise ValueError(f"{name}: dtypes {[t.dtype for t in tensors]} must be one of {DTYPES}")
+    check_devices(name, tensors, INTERPRETED, "epserve.kernels.triton.shared_expert")
+
+
+def swiglu_triton(gate_up: torch.Tensor) -> torch.Tensor:
+    """``silu(gate_up[:, :I]) * gate_up[:, I:]`` in one launch, rounded as the two eager ops:
+    gate_up [T, 2I] (last dim contiguous). Returns a new [T, I]."""
+    _rows_check("swiglu_triton", (gate_up,))
+    t, two_i = gate_up.shape
+    if two_i % 2:
+        raise ValueError(f"swiglu_triton: gate_up {tuple(gate_up.shape)} must be [T, 2I]")
+    out = torch.empty((t, two_i // 2), dtype=gate_up.dtype, device=gate_up.device)
+    if out.numel():
+        block = min(triton.next_power_of_2(two_i // 2), 1024)
+        _swiglu_kernel[(t, triton.cdiv(two_i // 2, block))](
+            gate_up, out, gate_up.stride(0), out.stride(0), two_i // 2, BLOCK=block,
+            num_warps=4)
+    return out
+
+
+def gate_add_triton(y: torch.Tensor, logit: torch.Tensor, routed: torch.Tensor) -> torch.Tensor:
+    """``routed + sigmoid(logit) * y`` in one launch, rounded as the three eager ops: y, routed
+    [T, H], logit [T, 1] (one dtype, last dims contiguous). Returns a new [T, H]."""
+    _rows_check("gate_add_triton", (y, logit, routed))
+    t, h = y.shape
+    if routed.shape != y.shape or logit.shape != (t, 1):
+        raise ValueError(f"gate_add_triton: y {tuple(y.shape)}, routed {tuple(routed.shape)} "
+                         f"must be [T, H] and logit {tuple(logit.shape)} [T, 1]")
+    out = torch.empty_like(y, memory_format=torch.contiguous_format)
+    if out.numel():
+        block = min(triton.next_power_of_2(h), 1024)
+        _gate_add_kernel[(t, triton.cdiv(h, block))](
+            y, logit, routed, out, y.stride(0), logit.stride(0), routed.stride(0), out.stride(0),
+            h, BLOCK=block, num_warps=4)
     return out
