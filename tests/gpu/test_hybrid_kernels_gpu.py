@@ -17,7 +17,11 @@ Qwen3.5-35B-A3B shapes: hidden 2048; gated attention 16 q heads, 2 kv heads, D 2
   the caches its own k and v, v and the gate untouched, the output within bf16 rounding; against the torch references within 2e-2 relative; a padding row writes nothing.
 - The DeltaNet decode kernel computing g and beta from a, b against ``delta_gates_ref`` + the
   plain kernel (fp32: 1e-5; bf16: beta may round one ulp apart).
-Prints microseconds per CUDA-graph replay at batch 1, new path against the old torch one.
+- Session 14's fusions (issue 17): the gated shared expert (one row: two launches; four rows:
+  its elementwise ops as two launches) against the eager ops; the DeltaNet input projection
+  with the conv update and the gated norm with the output projection, each one launch at one
+  row, against the two launches it replaces (fp32: 1e-5; bf16: its rounding).
+Prints microseconds per CUDA-graph replay at batch 1, new path against the old one.
 """
 
 from __future__ import annotations
@@ -267,3 +271,91 @@ def test_delta_decode_graph_timing_at_batch_1():
     print(f"\nDeltaNet decode rule, batch 1: gates in the kernel {new_us:.2f} us per replay, "
           f"gates in torch {old_us:.2f} us")
     assert new_us < old_us
+
+
+# --------------------------------------------------------------------------- session 14 fusions
+
+
+def _shared_case(t, dtype, seed):
+    g, i = _gen(seed), 512
+    x, routed = (torch.randn(t, H, device="cuda", generator=g).to(dtype) for _ in range(2))
+    w = [(torch.randn(n, k, device="cuda", generator=g) * k ** -0.5).to(dtype)
+         for n, k in ((2 * i, H), (H, i), (1, H))]
+    return x, routed, *w
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, BF], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("t", [1, 4])
+def test_shared_expert_fused(t, dtype):
+    """One row: two launches; four rows: the projections and two elementwise launches; both
+    against the eager ops (the same GEMV / cuBLAS projections, so bf16 within its rounding)."""
+    from epserve.kernels.shared_expert import shared_expert_add, shared_expert_ref
+
+    case = _shared_case(t, dtype, seed=30 + t)
+    assert _rel(shared_expert_add(*case), shared_expert_ref(*case)) < (
+        1e-5 if dtype == torch.float32 else 1e-2)
+
+
+def _deltanet_proj_case(dtype, seed):
+    g, c = _gen(seed), 2 * HK * DK + HV * DV
+    x = torch.randn(1, H, device="cuda", generator=g).to(dtype)
+    w_in = (torch.randn(c + HV * DV + 2 * HV, H, device="cuda", generator=g) * H ** -0.5).to(dtype)
+    cw = (torch.randn(c, 4, device="cuda", generator=g) * 0.5).to(dtype)
+    pool = torch.randn(3, c, 3, device="cuda", generator=g).to(dtype)
+    o = torch.randn(1, HV, DV, device="cuda", generator=g).to(dtype)
+    w_out = (torch.randn(H, HV * DV, device="cuda", generator=g) * (HV * DV) ** -0.5).to(dtype)
+    nw = (1 + 0.1 * torch.randn(DV, device="cuda", generator=g)).to(dtype)
+    return x, w_in, cw, pool, o, w_out, nw
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, BF], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("fresh", [False, True])
+def test_deltanet_projections_fused(dtype, fresh):
+    """The input projection with the conv update in one launch, and the gated norm with the
+    output projection in one, against the two launches each replaces (z read in place)."""
+    from epserve.kernels.triton.causal_conv_update import causal_conv_update_triton
+    from epserve.kernels.triton.deltanet_proj import (gated_norm_out_proj_triton,
+                                                      in_proj_conv_triton)
+    from epserve.kernels.triton.linear import linear_gemv_triton
+    from epserve.kernels.triton.norm import gated_rms_norm_triton
+
+    x, w_in, cw, pool, o, w_out, nw = _deltanet_proj_case(dtype, seed=40 + fresh)
+    c, tol = cw.shape[0], 1e-5 if dtype == torch.float32 else 1e-2
+    slots, fr = torch.tensor([1], device="cuda"), torch.tensor([fresh], device="cuda")
+    pool2 = pool.clone()
+    got = in_proj_conv_triton(x, w_in, cw, pool, slots, fr)
+    proj = linear_gemv_triton(x, w_in)
+    want = causal_conv_update_triton(proj[:, :c], cw, pool2, slots, fr)
+    assert _rel(got[:, :c], want) < tol and _rel(got[:, c:], proj[:, c:]) < tol
+    assert _rel(pool, pool2) < tol and torch.equal(pool[[0, 2]], pool2[[0, 2]])
+    z = got[:, c:c + HV * DV].view(1, HV, DV)
+    two = linear_gemv_triton(gated_rms_norm_triton(o, z, nw, EPS).reshape(1, -1), w_out)
+    assert _rel(gated_norm_out_proj_triton(o, z, nw, EPS, w_out), two) < tol
+
+
+def test_fused_projections_graph_timing_at_batch_1():
+    """Microseconds per replay, fused against the launches each replaces (issue 17)."""
+    from epserve.kernels.causal_conv import causal_conv_step
+    from epserve.kernels.deltanet_proj import gated_norm_out_proj, in_proj_conv
+    from epserve.kernels.linear import linear
+    from epserve.kernels.norm import gated_rms_norm
+    from epserve.kernels.shared_expert import shared_expert_add, shared_expert_ref
+
+    x, w_in, cw, pool, o, w_out, nw = _deltanet_proj_case(BF, seed=50)
+    c, slots, fr = cw.shape[0], torch.tensor([1], device="cuda"), torch.tensor([False],
+                                                                              device="cuda")
+    z = torch.randn(1, HV * DV + 3, device="cuda", dtype=BF)[:, 3:].view(1, HV, DV)
+    case = _shared_case(1, BF, seed=51)
+    pairs = {
+        "in_proj + conv": (lambda: in_proj_conv(x, w_in, cw, pool, slots, fr, (0, 1), True),
+                           lambda: causal_conv_step(linear(x, w_in)[:, :c], cw, pool, slots, fr,
+                                                    (0, 1), True)),
+        "gated norm + out_proj": (lambda: gated_norm_out_proj(o, z, nw, EPS, w_out),
+                                  lambda: linear(gated_rms_norm(o, z, nw, EPS).reshape(1, -1),
+                                                 w_out)),
+        "shared expert": (lambda: shared_expert_add(*case), lambda: shared_expert_ref(*case)),
+    }
+    for name, (fused, unfused) in pairs.items():
+        fused_us, unfused_us = graph_us(fused), graph_us(unfused)
+        print(f"\n{name}, batch 1: fused {fused_us:.2f} us per replay, unfused {unfused_us:.2f}")
+        assert fused_us < unfused_us, name
