@@ -92,6 +92,13 @@ def _parser() -> argparse.ArgumentParser:
                         "engine; as vLLM's option of the same name")
     s.add_argument("--body-read-timeout", type=float, default=None,
                    help="seconds a request body may take to arrive (then 408); default 30")
+    s.add_argument("--header-read-timeout", type=float, default=None,
+                   help="seconds a request line and headers may take to arrive (then 408); "
+                        "default 30")
+    s.add_argument("--ingress", choices=["proxy", "haproxy"], default="proxy",
+                   help="what takes HTTP on the port: Serve's Python proxy, or HAProxy (faster "
+                        "streaming; its own HTML 400 and 408 for requests it cannot parse or "
+                        "that arrive too slowly, a 400 for heads over 64 KiB: README)")
     s.add_argument("--enable-auto-tool-choice", action="store_true",
                    help="parse the model's tool calls when a chat request has tools and "
                         "tool_choice auto (needs --tool-call-parser); as vLLM's flag")

@@ -3,12 +3,15 @@
 Invariants: the engine is started (and its model loaded) before the HTTP app is deployed,
 so a bad model path is one clear error, not a replica restart loop; on the way out the app
 and the head are removed, and a Ray cluster this command started is shut down — one it
-joined (``RAY_ADDRESS``) keeps its other applications.
+joined (``RAY_ADDRESS``) keeps its other applications. The ingress (``--ingress``) is Serve's
+Python proxy with ``proxy_edge`` (the default), or HAProxy (``haproxy_ingress``: refused
+before Ray starts where it cannot run; no HAProxy of it outlives the command).
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import signal
 import socket
@@ -21,6 +24,7 @@ from epserve.deploy.engine_flags import engine_options
 from epserve.deploy.config import (
     API_KEY_ENV, DEFAULT_BODY_READ_TIMEOUT_S, DEFAULT_MAX_BODY_BYTES, AppConfig,
 )
+from epserve.deploy.proxy_edge import DEFAULT_HEADER_READ_TIMEOUT_S
 
 APP_NAME = "epserve"
 
@@ -93,37 +97,63 @@ def serve_main(args: argparse.Namespace) -> int:
     from epserve.cluster.bringup import init_ray, start_head, stop_head
     from epserve.cluster.engine_args import check_model_path, check_reasoning_parser
     from epserve.deploy.app import build_app
-    from epserve.deploy.proxy_edge import serve_start
+    from epserve.deploy.proxy_edge import controller_options, serve_start
 
     cfg = config_from_args(args)
     resolved = cfg.engine_args().resolved()
     check_model_path(resolved.model)  # one clear line before Ray starts
     check_reasoning_parser(resolved)  # the thinking tags, likewise
+    header_timeout_s = _given(args, "header_read_timeout", DEFAULT_HEADER_READ_TIMEOUT_S)
+    controller_options(header_timeout_s)  # a bad deadline refused now, likewise
     joined = bool(os.environ.get("RAY_ADDRESS")) or ray.is_initialized()
+    ingress = _ingress(getattr(args, "ingress", "proxy"), header_timeout_s,
+                       cfg.body_read_timeout_s, joined)
     if not joined:
         _check_port_free(args.host, args.port)
-    init_ray(engine_logs=True)  # the engine's lines (requests finished, the periodic one) here
-    try:
-        _say(f"loading {cfg.engine.model or 'the built-in demo model (random weights)'} ...")
-        start_head(cfg.engine_args(), cfg.head_name)
-        # the proxy's own errors as OpenAI JSON, and a deadline on request heads
-        serve_start({"host": args.host, "port": args.port})
+    with ingress:  # HAProxy's environment, before the cluster starts; its files after
+        init_ray(engine_logs=True)  # the engine's lines (requests finished, periodic) here
         try:
-            serve.run(build_app(cfg), name=APP_NAME, route_prefix="/", blocking=False)
-        except RuntimeError as exc:  # Serve's DeploymentFailed etc.: one line for the CLI
-            raise ValueError(f"deploying the HTTP app failed: {exc}") from exc
-        auth = "API key required" if cfg.api_key else "no API key"
-        print(f"epserve: serving {cfg.served_model_name!r} at {_url(args.host, args.port)} "
-              f"({auth}); Ctrl-C to stop", flush=True)
-        if cfg.engine.model is None:
-            _say("the demo model's weights are random: its text is random")
-        _wait_for_stop()
-        _say("shutting down")
-    finally:
-        _shutdown(serve, joined, cfg, stop_head)
-        if not joined:
-            ray.shutdown()
+            _say(f"loading {cfg.engine.model or 'the built-in demo model (random weights)'} ...")
+            start_head(cfg.engine_args(), cfg.head_name)
+            # the proxy's own errors as OpenAI JSON, and a deadline on request heads
+            serve_start({"host": args.host, "port": args.port}, header_timeout_s)
+            try:
+                serve.run(build_app(cfg), name=APP_NAME, route_prefix="/", blocking=False)
+            except RuntimeError as exc:  # Serve's DeploymentFailed etc.: one line for the CLI
+                raise ValueError(f"deploying the HTTP app failed: {exc}") from exc
+            auth = "API key required" if cfg.api_key else "no API key"
+            edge = "" if isinstance(ingress, contextlib.nullcontext) else "; HAProxy ingress"
+            print(f"epserve: serving {cfg.served_model_name!r} at {_url(args.host, args.port)} "
+                  f"({auth}{edge}); Ctrl-C to stop", flush=True)
+            if cfg.engine.model is None:
+                _say("the demo model's weights are random: its text is random")
+            _wait_for_stop()
+            _say("shutting down")
+        finally:
+            _shutdown(serve, joined, cfg, stop_head)
+            if not joined:
+                ray.shutdown()
     return 0
+
+
+def _ingress(kind: str, header_timeout_s: float, body_timeout_s: float, joined: bool) -> Any:
+    """The context the cluster runs in for ``--ingress``: nothing for Serve's Python proxy,
+    ``HaproxyIngress`` for HAProxy (ValueError now when it cannot run)."""
+    if kind == "proxy":
+        if not joined and os.environ.get("RAY_SERVE_ENABLE_HA_PROXY") == "1":
+            raise ValueError("RAY_SERVE_ENABLE_HA_PROXY=1 is set, but the ingress is Serve's "
+                             "Python proxy (--ingress proxy): use --ingress haproxy, which "
+                             "also sets HAProxy up for epserve, or unset the variable")
+        return contextlib.nullcontext()
+    if kind != "haproxy":
+        raise ValueError(f"--ingress must be proxy or haproxy, got {kind!r}")
+    if joined:  # its settings are read by the cluster's processes as they start
+        raise ValueError("--ingress haproxy sets up the local Ray cluster epserve serve starts; "
+                         "on a cluster of yours (RAY_ADDRESS) set Serve's HAProxy up on its "
+                         "nodes, or use --ingress proxy")
+    from epserve.deploy.haproxy_ingress import HaproxyIngress, check
+
+    return HaproxyIngress(check(), header_timeout_s, body_timeout_s)
 
 
 def _shutdown(serve: Any, joined: bool, cfg: AppConfig, stop_head: Any) -> None:
