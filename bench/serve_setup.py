@@ -41,6 +41,8 @@ def add_engine_args(ap: argparse.ArgumentParser) -> None:
         g.add_argument(flag, action="store_true")
     g.add_argument("--api-server-count", type=int, default=None,
                    help="server only; refused when `epserve serve` has no such flag")
+    g.add_argument("--ingress", choices=["proxy", "haproxy"], default=None,
+                   help="server only: `epserve serve --ingress` (default: its own, proxy)")
 
 
 def _dest(flag: str) -> str:
@@ -59,7 +61,7 @@ def llm_kwargs(args: argparse.Namespace) -> dict[str, Any]:
 
 def server_flags(args: argparse.Namespace) -> list[str]:
     out = []
-    for flag, _ in ENGINE_OPTIONS + [("--api-server-count", int)]:
+    for flag, _ in ENGINE_OPTIONS + [("--api-server-count", int), ("--ingress", str)]:
         if getattr(args, _dest(flag)) is not None:
             out += [flag, str(getattr(args, _dest(flag)))]
     return out + [f for f in ENGINE_SWITCHES if getattr(args, _dest(f))]
