@@ -97,8 +97,8 @@ def _parser() -> argparse.ArgumentParser:
                         "default 30")
     s.add_argument("--ingress", choices=["proxy", "haproxy"], default="proxy",
                    help="what takes HTTP on the port: Serve's Python proxy, or HAProxy (faster "
-                        "streaming; its own HTML 400 and 408 for requests it cannot parse or "
-                        "that arrive too slowly, a 400 for heads over 64 KiB: README)")
+                        "streaming; its own HTML 400 for a request it cannot parse or a head "
+                        "over 64 KiB, and HTML 408 for a head that stalls: README)")
     s.add_argument("--enable-auto-tool-choice", action="store_true",
                    help="parse the model's tool calls when a chat request has tools and "
                         "tool_choice auto (needs --tool-call-parser); as vLLM's flag")

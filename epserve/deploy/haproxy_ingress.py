@@ -25,7 +25,9 @@ it starts (its processes inherit them):
   reaches a closed one is retried elsewhere), so Ctrl-C is quick.
 
 The replicas' own HTTP servers get ``proxy_edge`` as Serve's proxy does (the controller's
-environment): Serve's own text errors there come out as OpenAI JSON.
+environment): Serve's own text errors there come out as OpenAI JSON. They, and Serve's
+fallback proxy, listen on the HTTP host (Serve binds them there), each on a port of its own:
+with ``--host 0.0.0.0`` they are reachable beside HAProxy (behind the same key).
 
 What HAProxy 2.8 answers differently from the Python proxy (its HTTP/1 layer writes its own
 built-in answers for requests it cannot parse, before any error file applies): a request
