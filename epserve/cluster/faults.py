@@ -16,11 +16,11 @@ from epserve.worker.step_command import BlockUpdate, DecodeRow, SamplingUpdate, 
 KINDS = ("unknown_slot", "block_out_of_range", "bad_sampling")
 
 
-def _first_key(cmd: StepCommand) -> tuple[int, int]:
-    rows = list(cmd.decode) + list(cmd.prefill)
+def _first_key(cmd: StepCommand, mirror: EpMirror) -> tuple[int, int]:
+    rows = mirror.kept_rows(cmd) + [(r.rank, r.slot) for r in (*cmd.decode, *cmd.prefill)]
     if not rows:
         raise ValueError("the command carries no rows to corrupt")
-    return rows[0].rank, rows[0].slot
+    return rows[0]
 
 
 def mutator(kind: str) -> Callable[[StepCommand, EpMirror], StepCommand]:
@@ -34,7 +34,7 @@ def mutator(kind: str) -> Callable[[StepCommand, EpMirror], StepCommand]:
                         if (mirror.world_size - 1, s) not in live)
             row = DecodeRow(mirror.world_size - 1, slot, 0, 0)
             return dataclasses.replace(cmd, decode=cmd.decode + (row,))
-        rank, slot = _first_key(cmd)
+        rank, slot = _first_key(cmd, mirror)
         if kind == "block_out_of_range":
             have = {(b.rank, b.slot): b.first + len(b.blocks) for b in cmd.block_updates}
             first = have.get((rank, slot), mirror.num_blocks_of((rank, slot))

@@ -69,7 +69,7 @@ def _public_reason(exc: BaseException) -> str:
     if isinstance(exc, EpCommandFailed):
         return f"the expert-parallel ranks refused this step: {exc.reason}"
     ref = f"{random.getrandbits(32):08x}"
-    log.error("step failure reference %s: %s: %s", ref, type(exc).__name__, exc)
+    log.error("step failure reference %s: %s: %s", ref, type(exc).__name__, exc, exc_info=exc)
     return f"the engine failed this step ({type(exc).__name__}; server log reference {ref})"
 
 

@@ -18,6 +18,8 @@ import torch
 
 from epserve.kernels.attention import AttentionMetadata
 from epserve.models.traits import RowSampling
+from epserve.worker.step_buffers import Cut, StepBuffers
+from epserve.worker.step_buffers import align as _align
 from epserve.worker.step_command import PrefillRow
 
 
@@ -130,42 +132,18 @@ class BlockTables:
         return self.np[slots, pos // bs].astype(np.int64) * bs + pos % bs
 
 
-def _align(n: int, k: int) -> int:
-    return -(-n // k) * k
-
-
-def _host(n: int, nr: int, ns: int, width: int, pin: bool,
-          states: bool) -> tuple[torch.Tensor, np.ndarray, np.ndarray]:
-    """A fresh host buffer for one step (a non-blocking copy of the last one may still be in
-    flight), pinned for CUDA: int64 ids | positions | KV slots (``align(n, 2)`` each) | sample
-    index (``align(nr, 2)``) | with ``states``, each sequence's state slot (``align(ns, 2)``),
-    then int32 seq lens (``align(ns, 4)``) | block tables
-    ``[ns, width]``. Every section starts 16-byte aligned: Triton specializes kernels on
-    pointer alignment, so a section whose alignment changed with the row count would compile a
-    new kernel variant in the middle of a run. One buffer: one allocation, one copy. Returns
-    the tensor and int64 and int32 numpy views of its two parts."""
-    off = _i32_offset(n, nr, ns, states)
-    total = off + (_align(ns, 4) + ns * width + 1) // 2
-    if pin:
-        t = torch.empty(total, dtype=torch.int64, pin_memory=True)
-        a = t.numpy()
-    else:
-        a = np.empty(total, dtype=np.int64)
-        t = torch.from_numpy(a)
-    return t, a[:off], a[off:].view(np.int32)
-
-
-def _i32_offset(n: int, nr: int, ns: int, states: bool) -> int:
-    return 3 * _align(n, 2) + _align(nr, 2) + (_align(ns, 2) if states else 0)
-
-
 def build_step_inputs(rows: RankRows, tables: BlockTables, block_size: int,
-                      device: torch.device, states: bool = False) -> StepInputs:
+                      device: torch.device, states: bool = False,
+                      buffers: StepBuffers | None = None) -> StepInputs:
     """Flatten the one-token rows (decode rows, then verify positions) and the prefill
-    chunks into one token batch. ``states``: the model keeps recurrent state per sequence
-    slot, so the metadata carries each sequence's slot (``AttentionMetadata.state_slots``)."""
+    chunks into one token batch, written into the next of ``buffers`` (fresh memory
+    without). The layout, in int64 words: ids | positions | KV slots (``align(n, 2)`` each) |
+    sample index (``align(nr, 2)``) | with ``states`` each sequence's state slot (its model
+    keeps recurrent state per slot: ``AttentionMetadata.state_slots``, ``align(ns, 2)``), then
+    int32 seq lens (``align(ns, 4)``) | block tables ``[ns, width]``: one buffer, one copy."""
+    bufs = buffers if buffers is not None else StepBuffers(device, reuse=False)
     if not rows.chunked:
-        return _decode_inputs(rows, tables, block_size, device, states)
+        return _decode_inputs(rows, tables, block_size, bufs, states)
     bs = block_size
     nd = rows.num_decode
     dpos = rows.decode_pos
@@ -201,8 +179,8 @@ def build_step_inputs(rows: RankRows, tables: BlockTables, block_size: int,
     n, ns, nr = qsl[-1], len(lens), len(sample_index)
     width = -(-int(lens.max()) // bs)
     n2, ns4 = _align(n, 2), _align(ns, 4)
-    pin = device.type == "cuda"
-    h, v64, v32 = _host(n, nr, ns, width, pin, states)
+    cut = bufs.take(n, nr, ns, width, states)
+    v64, v32 = cut.v64, cut.v32
     for k, parts in enumerate((ids, pos, kv)):
         v64[k * n2:k * n2 + n] = np.concatenate(parts) if len(parts) > 1 else parts[0]
     v64[3 * n2:3 * n2 + nr] = sample_index
@@ -211,11 +189,10 @@ def build_step_inputs(rows: RankRows, tables: BlockTables, block_size: int,
     if states:
         v64[3 * n2 + _align(nr, 2):][:ns] = row_slots
     v32[ns4:ns4 + ns * width].reshape(ns, width)[:] = tables.np[row_slots, :width]
-    return _finish(rows, h, n, ns, nr, width, tuple(qsl), lens, tuple(sampled_prefill), bs,
-                   device, pin, states, hold)
+    return _finish(rows, cut, tuple(qsl), lens, tuple(sampled_prefill), bs, hold)
 
 
-def _decode_inputs(rows: RankRows, tables: BlockTables, bs: int, device: torch.device,
+def _decode_inputs(rows: RankRows, tables: BlockTables, bs: int, bufs: StepBuffers,
                    states: bool) -> StepInputs:
     """A pure decode step's inputs: the same layout, written in place with as few array calls
     as possible (at a few hundred rows a step's host time is per-call overhead)."""
@@ -224,8 +201,8 @@ def _decode_inputs(rows: RankRows, tables: BlockTables, bs: int, device: torch.d
     n2, ns4 = _align(nd, 2), _align(nd, 4)
     lens = pos + 1
     width = -(-int(lens.max()) // bs)
-    pin = device.type == "cuda"
-    h, v64, v32 = _host(nd, nd, nd, width, pin, states)
+    cut = bufs.take(nd, nd, nd, width, states)
+    v64, v32 = cut.v64, cut.v32
     v64[:nd] = rows.decode_ids
     v64[n2:n2 + nd] = pos
     blk, off = np.divmod(pos, bs)
@@ -237,8 +214,7 @@ def _decode_inputs(rows: RankRows, tables: BlockTables, bs: int, device: torch.d
         v64[4 * n2:4 * n2 + nd] = slots
     v32[:nd] = lens
     v32[ns4:ns4 + nd * width].reshape(nd, width)[:] = tables.np[slots, :width]
-    return _finish(rows, h, nd, nd, nd, width, _ranges(nd), lens, (), bs, device, pin,
-                   states)
+    return _finish(rows, cut, _ranges(nd), lens, (), bs)
 
 
 _ARANGE = np.arange(4096, dtype=np.int64)
@@ -253,32 +229,22 @@ def _ranges(n: int) -> tuple[int, ...]:
     return r
 
 
-def _finish(rows: RankRows, h: torch.Tensor, n: int, ns: int, nr: int, width: int,
-            qsl: tuple[int, ...], lens: np.ndarray, sampled_prefill: tuple[int, ...], bs: int,
-            device: torch.device, pin: bool, states: bool,
+def _finish(rows: RankRows, cut: Cut, qsl: tuple[int, ...], lens: np.ndarray,
+            sampled_prefill: tuple[int, ...], bs: int,
             hold: tuple[int, ...] = ()) -> StepInputs:
-    """Copy the host buffer to ``device`` (nothing to copy on the CPU) and cut the step's
-    tensors out of it."""
-    n2, ns4 = _align(n, 2), _align(ns, 4)
-    d = h.to(device, non_blocking=True) if pin else h
-    d32 = d[_i32_offset(n, nr, ns, states):].view(torch.int32)
-    at = 3 * n2 + _align(nr, 2)
+    """Copy the written buffer to the device (nothing to copy on the CPU) and hand out the
+    step's tensors (its layout's views)."""
+    cut.ship()
     meta = AttentionMetadata(
-        slot_mapping=d[2 * n2:2 * n2 + n],
+        slot_mapping=cut.kv,
         query_start_loc=qsl,
         seq_lens=tuple(lens.tolist()),
-        block_tables=d32[ns4:ns4 + ns * width].view(ns, width),
+        block_tables=cut.tables,
         block_size=bs,
-        seq_lens_t=d32[:ns] if not rows.chunked else None,
-        state_slots=d[at:at + ns] if states else None,
+        seq_lens_t=cut.lens if not rows.chunked else None,
+        state_slots=cut.state_slots,
         state_hold=hold,
         state_log=[] if hold else None,
     )
-    return StepInputs(
-        input_ids=d[:n],
-        positions=d[n2:n2 + n],
-        meta=meta,
-        sample_index=d[3 * n2:3 * n2 + nr],
-        rows=rows,
-        sampled_prefill=sampled_prefill,
-    )
+    return StepInputs(input_ids=cut.ids, positions=cut.pos, meta=meta, sample_index=cut.sample,
+                      rows=rows, sampled_prefill=sampled_prefill)

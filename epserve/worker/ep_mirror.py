@@ -6,9 +6,8 @@ rank reaches the same verdict on the same bytes; ``validate`` changes nothing an
 ``EpCommandFailed`` naming the first problem and, when one sequence's rows or updates caused
 it, that sequence's ``(rank, slot)`` (so the leader can drop just it and re-issue the step);
 sampling values are judged by ``models.sampling_rules``, the rule the head applies at the edge;
-``apply`` runs only after a passing ``validate`` of the same command (it reuses the decode rows'
-keys and positions validate found); step ids rise by one per command received,
-valid or not.
+``apply`` runs only after a passing ``validate`` of the same command (it reuses the decode rows
+validate resolved, a repeat's base next); step ids rise by one per command received, valid or not.
 """
 
 from __future__ import annotations
@@ -20,7 +19,7 @@ import numpy as np
 from epserve.models.sampling_rules import MAX_LOGPROBS, penalized, row_sampling_problem
 from epserve.models.traits import EpCommandFailed, RowSampling
 from epserve.worker.step_command import (
-    FEED_DEVICE, KIND_DECODE_AHEAD, KIND_SHUTDOWN, KIND_STEP, MAX_DRAFT_TOKENS, NewSeq,
+    FEED_DEVICE, KIND_DECODE_AHEAD, KIND_SHUTDOWN, KIND_STEP, MAX_DRAFT_TOKENS, Ints, NewSeq,
     StepCommand,
 )
 
@@ -62,14 +61,24 @@ class EpMirror:
         self.seq_len = np.zeros((world_size, max_slots), dtype=np.int64)
         self.nblocks = np.zeros((world_size, max_slots), dtype=np.int64)
         self.next_step = 0
-        # the last validated command's decode rows: flat keys and positions (KV lengths)
-        self.decode_keys = self.decode_pos = np.zeros(0, dtype=np.int64)
+        # the last validated command's decode rows (a repeat's kept rows first): flat keys,
+        # positions (KV lengths), output indices, and fed tokens (None: all ``FEED_DEVICE``)
+        self.decode_keys = self.decode_pos = self.decode_oidx = _NO_ROWS
+        self.decode_feed: np.ndarray | None = None
+        # the last applied command's decode rows, which a repeat runs again
+        self.rows_keys = self.rows_oidx = _NO_ROWS
         self.verify_pos: list[int] = []  # and each verify row's first position
         # the last applied command's verify rows: (rank, slot) -> (first position, end)
         self.verified: dict[tuple[int, int], tuple[int, int]] = {}
 
     def num_blocks_of(self, key: tuple[int, int]) -> int:
         return int(self.nblocks[key])
+
+    def kept_rows(self, cmd: StepCommand) -> list[tuple[int, int]]:
+        """The sequences of ``cmd``'s repeated decode rows, in order (none without a repeat)."""
+        drop, ms = {int(i) for i in cmd.dropped}, self.max_slots
+        return [divmod(k, ms) for i, k in enumerate(self.rows_keys.tolist()) if i not in drop
+                ] if cmd.repeat else []
 
     # ------------------------------------------------------------------ validate
 
@@ -263,26 +272,58 @@ class EpMirror:
 
     def _check_decode(self, cmd: StepCommand, live: np.ndarray, blocks: np.ndarray,
                       lens: np.ndarray, fail: "_Failer") -> np.ndarray:
-        """All decode rows at once; returns their flat slot keys and keeps them with the rows'
-        positions (``decode_keys``, ``decode_pos``) for ``apply`` and the rank's rows. A few
-        whole-array calls (at a few hundred rows a step's host time is per-call overhead):
-        the columns' bounds, then one test that each row's sequence has room for its token
-        (a slot that is not live has no blocks: ``_check_blocks``), then duplicates. Only a
-        failing check looks for the row to name (``_decode_problem``)."""
+        """All decode rows at once, a repeat's kept rows first: their flat keys, kept with
+        their positions, output indices and feeds (``decode_*``) for ``apply`` and the rank's
+        rows. Whole-array calls (a step's host time is per-call overhead): a kept row was
+        checked when it came (``_kept`` checks what this command changes of it); the explicit
+        rows' bounds, duplicates, then each row's room for its token (a slot that is not live
+        has no blocks). Only a failing check looks for the row to name (``_decode_problem``)."""
         cols = cmd.decode.cols
-        if not cols.shape[1]:
-            self.decode_keys = self.decode_pos = _NO_ROWS
-            return _NO_ROWS
-        lo, hi = np.minimum.reduce(cols, 1).tolist(), np.maximum.reduce(cols, 1).tolist()
-        if (lo[0] < 0 or hi[0] >= self.world_size or lo[1] < 0 or hi[1] >= self.max_slots
-                or lo[2] < FEED_DEVICE or hi[2] >= self.vocab_size or lo[3] < 0):
-            self._decode_problem(cols, live, blocks, lens, fail)
-        keys = cols[1] if self.world_size == 1 else cols[0] * self.max_slots + cols[1]
-        ln = lens.ravel()[keys]
-        if (blocks.ravel()[keys] * self.block_size <= ln).any() or np.bincount(keys).max() > 1:
-            self._decode_problem(cols, live, blocks, lens, fail)
-        self.decode_keys, self.decode_pos = keys, ln
+        keys, oidx, feed = self._kept(cmd, live, fail) if cmd.repeat else (_NO_ROWS,) * 3
+        if cols.shape[1]:
+            lo, hi = np.minimum.reduce(cols, 1).tolist(), np.maximum.reduce(cols, 1).tolist()
+            if (lo[0] < 0 or hi[0] >= self.world_size or lo[1] < 0 or hi[1] >= self.max_slots
+                    or lo[2] < FEED_DEVICE or hi[2] >= self.vocab_size or lo[3] < 0):
+                self._decode_problem(cols, live, blocks, lens, fail)
+            more = cols[1] if self.world_size == 1 else cols[0] * self.max_slots + cols[1]
+            if len(keys):
+                feed = np.concatenate([np.full(len(keys), FEED_DEVICE), cols[2]])
+                keys, oidx = np.concatenate([keys, more]), np.concatenate([oidx, cols[3]])
+            else:
+                keys, oidx, feed = more, cols[3], cols[2]
+            if np.bincount(keys).max() > 1:
+                self._decode_problem(self._cols(keys, feed, oidx), live, blocks, lens, fail)
+        ln = lens.ravel()[keys] if len(keys) else _NO_ROWS
+        if len(keys) and (blocks.ravel()[keys] * self.block_size <= ln).any():
+            self._decode_problem(self._cols(keys, feed, oidx), live, blocks, lens, fail)
+        self.decode_keys, self.decode_pos, self.decode_oidx = keys, ln, oidx
+        self.decode_feed = None if feed is _NO_ROWS else feed
         return keys
+
+    def _kept(self, cmd: StepCommand, live: np.ndarray, fail: "_Failer") -> tuple:
+        """A repeat's kept rows (keys, output indices, None feeds): the last applied ones
+        less ``dropped`` (ascending indices), at their next output index, none released or new."""
+        drop, n = cmd.dropped, len(self.rows_keys)
+        keys, oidx = self.rows_keys, self.rows_oidx + 1
+        if len(drop):
+            d = (drop.array if isinstance(drop, Ints) else np.asarray(drop)).astype(np.int64)
+            if not (0 <= d[0] and d[-1] < n and (np.diff(d) > 0).all()):
+                fail(f"repeat: dropped rows {d[:8].tolist()} are not ascending indices into "
+                     f"the {n} decode rows of the last step")
+            keys, oidx = np.delete(keys, d), np.delete(oidx, d)
+        if (cmd.releases or cmd.new_seqs) and len(keys):
+            fresh = [n.rank * self.max_slots + n.slot for n in cmd.new_seqs]
+            bad = ~live.ravel()[keys] | np.isin(keys, np.array(fresh, dtype=np.int64))
+            if bad.any():
+                k = int(keys[int(bad.argmax())])
+                key = (k // self.max_slots, k % self.max_slots)
+                fail(f"repeat: decode row of {key}, which this command releases or starts", key)
+        return keys, oidx, None
+
+    def _cols(self, keys: np.ndarray, feed: np.ndarray | None, oidx: np.ndarray) -> np.ndarray:
+        """Decode rows as the four columns (rank, slot, feed, output index)."""
+        return np.stack([keys // self.max_slots, keys % self.max_slots,
+                         np.full(len(keys), FEED_DEVICE) if feed is None else feed, oidx])
 
     def _decode_problem(self, cols: np.ndarray, live: np.ndarray, blocks: np.ndarray,
                         lens: np.ndarray, fail: "_Failer") -> None:
@@ -332,6 +373,7 @@ class EpMirror:
             self.nblocks[b.rank, b.slot] = b.first + len(b.blocks)
         if len(self.decode_keys):  # each decode row's position, kept by validate, plus one
             self.seq_len.ravel()[self.decode_keys] = self.decode_pos + 1
+        self.rows_keys, self.rows_oidx = self.decode_keys, self.decode_oidx  # a repeat's base
         self.verified = {}
         for v, at in zip(cmd.verify, self.verify_pos):  # KV is written at every position
             self.seq_len[v.rank, v.slot] = end = at + len(v.drafts) + 1

@@ -54,6 +54,9 @@ class KvBook:
         self.pools = [KVPool(num_blocks, block_size, enable_prefix_caching)
                       for _ in range(world_size)]
         self.free_slots = [list(range(max_num_seqs - 1, -1, -1)) for _ in range(world_size)]
+        # sequences whose tables ``reserve_blocks`` grew since the last command every rank
+        # ran (the step model clears it): where a repeated decode row's new blocks are found
+        self.grown: list[SequenceState] = []
 
     # ------------------------------------------------------------------ sequences
 
@@ -101,6 +104,7 @@ class KvBook:
         if need > pool.num_free_blocks():
             return False
         seq.block_table.extend(pool.allocate(need))
+        self.grown.append(seq)
         return True
 
 

@@ -34,6 +34,7 @@ import numpy as np
 import torch
 
 from epserve.worker.batch import BlockTables, RankRows, build_step_inputs
+from epserve.worker.step_buffers import StepBuffers
 from epserve.worker.cuda_graphs import DecodeGraphs
 from epserve.worker.sampler import PendingSample
 
@@ -59,8 +60,10 @@ class DecodeLookahead:
 
     def __init__(self, forward: Forward, graphs: DecodeGraphs | None, tables: BlockTables,
                  block_size: int, device: torch.device, max_model_len: int,
-                 state_pools: list[torch.Tensor] | None = None, max_state_rows: int = 4):
+                 state_pools: list[torch.Tensor] | None = None, max_state_rows: int = 4,
+                 buffers: StepBuffers | None = None):
         self.forward, self.graphs, self.tables = forward, graphs, tables
+        self.buffers = buffers  # the Runner's step-input ring (the queued step's inputs)
         self.block_size, self.device, self.max_model_len = block_size, device, max_model_len
         self._ahead: _Ahead | None = None
         self.launched = self.hits = self.restored = 0
@@ -89,7 +92,7 @@ class DecodeLookahead:
             return False
         ahead = RankRows(rows.decode_slots, nxt, np.zeros(n, dtype=np.int64), (), [], [])
         inp = build_step_inputs(ahead, self.tables, self.block_size, self.device,
-                                bool(self.state_pools))
+                                bool(self.state_pools), self.buffers)
         pending.copy_async()
         if self.state_pools:
             self._save(rows.decode_slots)

@@ -146,17 +146,21 @@ class RankExecutor:
         the command or this rank's last sample)."""
         self._fed = {}
         me = self.rank
-        rank, slot, feed, oidx = cmd.decode.cols
-        pos = self.mirror.decode_pos  # each decode row's position, as validated
+        mirror = self.mirror  # the decode rows as validated (a repeat's kept rows first)
+        slot, pos, oidx, feed = (mirror.decode_keys, mirror.decode_pos, mirror.decode_oidx,
+                                 mirror.decode_feed)
         if self.world_size > 1:
-            mine = rank == me
-            slot, feed, oidx, pos = slot[mine], feed[mine], oidx[mine], pos[mine]
+            ms = mirror.max_slots
+            mine = slot // ms == me
+            slot, pos, oidx = slot[mine] % ms, pos[mine], oidx[mine]
+            feed = None if feed is None else feed[mine]
         prefill = [p for p in cmd.prefill if p.rank == me]
-        verify = [self._verify_run(v, at) for v, at in zip(cmd.verify, self.mirror.verify_pos)
+        verify = [self._verify_run(v, at) for v, at in zip(cmd.verify, mirror.verify_pos)
                   if v.rank == me]
         if not len(slot) and not prefill and not verify:
             return None
-        ids = np.where(feed == FEED_DEVICE, self.last_token[slot], feed)
+        ids = (self.last_token[slot] if feed is None
+               else np.where(feed == FEED_DEVICE, self.last_token[slot], feed))
         samp = self.sampling
         sampling = list(itemgetter(*slot.tolist())(samp)) if len(slot) > 1 else [
             samp[s] for s in slot.tolist()]

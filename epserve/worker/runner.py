@@ -33,6 +33,7 @@ from epserve.worker.runner_config import (  # noqa: F401 (re-exported)
     RunnerConfig, resolve_device, resolve_dtype,
 )
 from epserve.worker.sampler import launch_sample, prompt_logprobs_rows
+from epserve.worker.step_buffers import StepBuffers
 from epserve.worker.warmup import warm_up_prefill
 
 log = logging.getLogger(__name__)
@@ -109,6 +110,7 @@ class Runner:
                                        cfg.max_num_seqs, self.tables.max_blocks_per_seq,
                                        self.spare_state_slot)
             self.graphs.capture()
+        self.buffers = StepBuffers(self.device)  # the step inputs' memory, reused
         self.lookahead: DecodeLookahead | None = None
         lookahead = cfg.decode_lookahead
         # with recurrent state only when asked for (copying the rows' states aside each step
@@ -118,7 +120,7 @@ class Runner:
                      if isinstance(spec, StateCacheSpec) for t in cache]
             self.lookahead = DecodeLookahead(self._forward, self.graphs, self.tables,
                                              self.block_size, self.device, self.max_model_len,
-                                             state_pools=pools)
+                                             state_pools=pools, buffers=self.buffers)
         self._ready: torch.Tensor | None = None  # the lookahead's hidden states for this step
 
     def _mtp_head(self, parallel: ParallelInfo):
@@ -175,7 +177,7 @@ class Runner:
             if self._ready is not None:
                 return None
         return build_step_inputs(rows, self.tables, self.block_size, self.device,
-                                 self.spare_state_slot is not None)
+                                 self.spare_state_slot is not None, self.buffers)
 
     @torch.inference_mode()
     def execute(self, rows: RankRows, inp: StepInputs | None, ahead: bool = False,

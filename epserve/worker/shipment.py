@@ -6,13 +6,17 @@ sequence updates (new sequences, block updates, sampling updates) and decode col
 Invariants: the view changes only once a command ran on every rank (``Shipment.commit``); a
 freed sequence is forgotten at once, so a new sequence in its slot is shipped whole; a decode
 row's fed token travels as ``FEED_DEVICE`` when it is the one its rank sampled last. A step's
-decode rows are handled as columns: 256 steady decode rows cost a few list comprehensions and
-one array, not 256 objects.
+decode rows are handled as columns, and the rows that ran in the last step and run again, fed
+what they sampled, travel as a repeat (``StepCommand.repeat``): a steady batch of 256 decode
+rows costs a few list comparisons and no per-row bytes. ``RankView.rows`` is what a repeat
+refers to: the last step's decode rows as every rank applied them, None when it is not known
+(the step failed, verified, or no step ran since), and then rows travel explicitly.
 """
 
 from __future__ import annotations
 
-from operator import attrgetter
+from dataclasses import dataclass
+from operator import attrgetter, is_
 from typing import Any, Sequence
 
 from epserve.models.traits import SequenceState
@@ -21,8 +25,21 @@ from epserve.worker.step_command import (
 )
 
 _SLOT, _OUTPUT_INDEX = attrgetter("slot_idx"), attrgetter("output_index")
+_SAMPLING = attrgetter("sampling")
+_NEXT = (1).__add__
 _UNKNOWN = -1  # block count of a slot whose sequence the ranks do not know
 _NO_TOKEN = -2  # last token of a slot that has sampled none (never equals a fed token)
+
+
+@dataclass(frozen=True, slots=True)
+class SentRows:
+    """A command's decode rows in the ranks' order: their sequences, output indices and
+    sampling as sent, and (once the step ran) the token each sampled (``tokens``)."""
+
+    seqs: list[SequenceState]
+    output_index: list[int]
+    sampling: list[Any]
+    tokens: list[int] | None = None
 
 
 class RankView:
@@ -39,6 +56,7 @@ class RankView:
         self.pending_releases: set[tuple[int, int]] = set()
         # (rank, slot) -> (seq_len, nblocks) the ranks must rewind to (after a verify)
         self.pending_rewinds: dict[tuple[int, int], tuple[int, int]] = {}
+        self.rows: SentRows | None = None  # the last step's decode rows, as the ranks hold them
 
     def flat(self, seq: SequenceState) -> int:
         return seq.rank * self.max_slots + seq.slot_idx
@@ -83,11 +101,60 @@ class Shipment:
         self._sampling_sent: dict[int, Any] = {}
         self._blocks_sent: dict[int, int] = {}
 
-    def decode_rows(self, tokens: Sequence[int], seqs: Sequence[SequenceState]) -> DecodeRows:
-        """The decode columns (rank, slot, feed, output index), shipping what each row's
-        sequence needs first."""
+    def decode_rows(self, tokens: Sequence[int], seqs: Sequence[SequenceState],
+                    grown: Sequence[SequenceState] = ()) -> DecodeRows:
+        """The explicit decode columns (rank, slot, feed, output index), shipping what each
+        row's sequence needs first; the leading rows that repeat the last step's are not among
+        them (``repeat``, ``dropped``, ``kept``). ``grown``: sequences whose block tables grew
+        since the last committed command (the KV book's log): a kept row's new blocks are
+        found there instead of by looking at every row."""
+        self.repeat, self.dropped, self.kept = False, (), 0
         if not seqs:
+            self.sent = None
             return DecodeRows()
+        oidx = list(map(_OUTPUT_INDEX, seqs))
+        samp = list(map(_SAMPLING, seqs))
+        self.sent = SentRows(list(seqs), oidx, samp)
+        k = self._repeat(self.view.rows, tokens, seqs, oidx) if self.view.rows else 0
+        if k:
+            view, flat = self.view, self.view.flat
+            for s in grown:  # new blocks of sequences the ranks know (kept rows among them)
+                if s.slot_idx >= 0 and _UNKNOWN != view.nblocks[flat(s)] < len(s.block_table):
+                    self.sequence(s)
+            if not all(map(is_, samp[:k], self._kept_sampling)):  # a changed sampling (rare)
+                for s in seqs[:k]:
+                    self.sequence(s)
+            if k == len(seqs):
+                return DecodeRows()
+            tokens, seqs, oidx = tokens[k:], seqs[k:], oidx[k:]
+        return self._explicit(tokens, seqs, oidx)
+
+    def _repeat(self, prev: SentRows, tokens: Sequence[int], seqs: Sequence[SequenceState],
+                oidx: list[int]) -> int:
+        """How many leading rows repeat ``prev``'s (the same sequences in the same order, each
+        fed what it sampled, at its next output index); sets ``repeat``, ``dropped``."""
+        ps, pt, po = prev.seqs, prev.tokens, prev.output_index
+        if len(ps) == len(seqs) and all(map(is_, ps, seqs)):
+            keep, k = None, len(ps)
+        else:  # rows left (finished, preempted, verified): drop them, keep the others' order
+            now = set(map(id, seqs))
+            keep = [id(s) in now for s in ps]
+            k = sum(keep)
+            if not k or len(seqs) < k or not all(
+                    map(is_, (s for s, m in zip(ps, keep) if m), seqs[:k])):
+                return 0
+            pt = [t for t, m in zip(pt, keep) if m]
+            po = [o for o, m in zip(po, keep) if m]
+        if list(tokens[:k]) != pt or oidx[:k] != list(map(_NEXT, po)):
+            return 0
+        self.repeat, self.kept = True, k
+        self.dropped = () if keep is None else tuple(i for i, m in enumerate(keep) if not m)
+        self._kept_sampling = (prev.sampling if keep is None else
+                               [x for x, m in zip(prev.sampling, keep) if m])
+        return k
+
+    def _explicit(self, tokens: Sequence[int], seqs: Sequence[SequenceState],
+                  oidx: list[int]) -> DecodeRows:
         view = self.view
         ms = view.max_slots
         if view.world_size == 1:
@@ -100,17 +167,25 @@ class Shipment:
                   if len(s.block_table) != nb[x] or s.sampling is not samp[x]]:
             self.sequence(s)
         feed = [FEED_DEVICE if last[x] == t else t for x, t in zip(flat, tokens)]
-        oidx = list(map(_OUTPUT_INDEX, seqs))
         if view.world_size == 1:
             return DecodeRows.of([0] * len(flat), flat, feed, oidx)
         return DecodeRows.of([x // ms for x in flat], [x % ms for x in flat], feed, oidx)
 
+    def ran(self, tokens: list[int] | None) -> None:
+        """The step ran on every rank and its decode rows sampled ``tokens`` (None: not known,
+        e.g. a row failed or verified): what the next command's repeat refers to."""
+        self.view.rows = (None if tokens is None or self.sent is None
+                          else SentRows(self.sent.seqs, self.sent.output_index,
+                                        self.sent.sampling, tokens))
+
     def sequence(self, seq: SequenceState) -> None:
         """Ship what the ranks do not know of ``seq`` yet: all of it once, then new blocks and
-        a changed sampling."""
+        a changed sampling (once per command: a second call ships only what changed since)."""
         view = self.view
         f = view.flat(seq)
-        shipped = view.nblocks[f]
+        shipped = self._blocks_sent.get(f)
+        if shipped is None:
+            shipped = view.nblocks[f]
         if shipped == _UNKNOWN:
             self.new.append(NewSeq(seq.rank, seq.slot_idx, seq.seq_len, max(seq.prompt_len, 1),
                                    -1 if seq.collect_prompt_logprobs is None
@@ -118,7 +193,7 @@ class Shipment:
             self._sampling_sent[f] = seq.sampling
             shipped = 0
             self._blocks_sent[f] = 0
-        elif view.sampling[f] is not seq.sampling:
+        elif self._sampling_sent.get(f, view.sampling[f]) is not seq.sampling:
             self.sampling.append(SamplingUpdate(seq.rank, seq.slot_idx, seq.sampling))
             self._sampling_sent[f] = seq.sampling
         n = len(seq.block_table)

@@ -29,6 +29,7 @@ import numpy as np
 
 from epserve.models.sampling_rules import MAX_LOGPROBS
 from epserve.models.traits import RowSampling
+from epserve.worker.decode_rows import FEED_DEVICE, DecodeRow, DecodeRows  # noqa: F401
 from epserve.worker.sampling_wire import (
     SAMPLING_FIELDS, SAMPLING_KINDS, check_bias_counts, row_sampling, sampling_fields,
     sampling_words,
@@ -41,11 +42,10 @@ from epserve.worker.wire import (
 )
 
 # 2: row tables of fixed-width records; 3: token-mask rows; 4: verify; 5: logit_bias;
-# 6: MTP drafts in the result; 7: sampling penalties
-PROTOCOL_VERSION = 7
+# 6: MTP drafts in the result; 7: sampling penalties; 8: repeated decode rows
+PROTOCOL_VERSION = 8
 MAX_DRAFT_TOKENS = 16  # drafted tokens one verify row may carry
 MAX_FRAME_BYTES = 64 * 2**20
-FEED_DEVICE = -1  # a decode row's token is the one its rank sampled for the slot last step
 
 KIND_STEP = 0
 KIND_SHUTDOWN = 1
@@ -114,84 +114,6 @@ class Release:
 
 
 @dataclass(frozen=True, slots=True)
-class DecodeRow:
-    """One token for ``slot``: ``feed`` is a token id or ``FEED_DEVICE``."""
-
-    rank: int
-    slot: int
-    feed: int
-    output_index: int
-
-
-_NO_COLS = np.zeros((4, 0), dtype=np.int32)
-
-
-class DecodeRows:
-    """The decode rows as four int32 columns (rank, slot, feed, output_index): 256 rows are one
-    4 KiB blob on the wire and numpy arrays on arrival, not 256 objects to build and check."""
-
-    __slots__ = ("cols",)
-
-    def __init__(self, cols: "np.ndarray | None" = None, *, fits: bool = False):
-        """``fits``: the caller knows every value fits in int32 (decoded, or joined checked)."""
-        c = _NO_COLS if cols is None else np.asarray(cols)
-        if c.ndim != 2 or c.shape[0] != 4:
-            raise ProtocolError(f"decode rows: expected 4 columns, got shape {c.shape}")
-        if c.dtype != np.int32:
-            if c.dtype.kind not in "iu":
-                raise ProtocolError(f"decode rows: expected integers, got {c.dtype}")
-            if not fits and c.size and (c.min() < -(2**31) or c.max() >= 2**31):
-                raise ProtocolError("decode rows: a value does not fit in int32")
-            c = c.astype(np.int32)
-        self.cols = c
-
-    @classmethod
-    def of(cls, rank: Sequence[int], slot: Sequence[int], feed: Sequence[int],
-           output_index: Sequence[int]) -> "DecodeRows":
-        try:  # int32 at once: numpy refuses a Python int that does not fit
-            cols = np.array([rank, slot, feed, output_index], dtype=np.int32).reshape(4, -1)
-        except (OverflowError, ValueError, TypeError) as exc:
-            raise ProtocolError(f"decode rows: {exc}") from None
-        return cls(cols)
-
-    @classmethod
-    def from_rows(cls, rows: Sequence[DecodeRow]) -> "DecodeRows":
-        return cls.of([r.rank for r in rows], [r.slot for r in rows], [r.feed for r in rows],
-                      [r.output_index for r in rows])
-
-    def __len__(self) -> int:
-        return self.cols.shape[1]
-
-    def __iter__(self):
-        for r, s, f, o in self.cols.T.tolist():
-            yield DecodeRow(r, s, f, o)
-
-    def __add__(self, other: "tuple[DecodeRow, ...] | DecodeRows") -> "DecodeRows":
-        extra = other if isinstance(other, DecodeRows) else DecodeRows.from_rows(other)
-        return DecodeRows(np.concatenate([self.cols, extra.cols], axis=1), fits=True)
-
-    def __eq__(self, other: object) -> bool:
-        if isinstance(other, tuple):
-            other = DecodeRows.from_rows(other)
-        return isinstance(other, DecodeRows) and np.array_equal(self.cols, other.cols)
-
-    def __repr__(self) -> str:
-        return f"DecodeRows({list(self)!r})"
-
-    def to_bytes(self) -> bytes:
-        return self.cols.astype("<i4", copy=False).tobytes()
-
-    @classmethod
-    def from_bytes(cls, blob: bytes, max_rows: int | None = None) -> "DecodeRows":
-        if len(blob) % 16:
-            raise ProtocolError(f"decode rows: {len(blob)} bytes is not a whole number of rows")
-        if max_rows is not None and len(blob) // 16 > max_rows:
-            raise ProtocolError(f"decode rows: {len(blob) // 16} rows exceed {max_rows}")
-        return cls(np.frombuffer(blob, dtype="<i4").astype(np.int32, copy=False).reshape(4, -1),
-                   fits=True)
-
-
-@dataclass(frozen=True, slots=True)
 class PrefillRow:
     """Chunk ``tokens`` at positions ``start..``; ``sample`` on a prompt's last chunk;
     ``next_token``: the prompt token after the chunk (prompt-logprob target), -1 if none."""
@@ -249,8 +171,10 @@ class MaskRow:
 class StepCommand:
     """Everything every rank needs for one step, in apply order: releases, new sequences,
     rewinds, sampling updates, block updates, then the rows (decode rows, verify rows, then
-    prefill), then the token masks of the constrained sampled rows. Row fields are tuples when built by the
-    leader, ``wire.Table`` when decoded (equal either way)."""
+    prefill), then the token masks of the constrained sampled rows. Row fields are tuples when
+    built by the leader, ``wire.Table`` when decoded (equal either way). ``repeat``: the decode
+    rows of the last command every rank applied run again first (``worker.decode_rows`` says
+    how), less those at the indices ``dropped`` (ascending); ``decode`` follows them."""
 
     step_id: int
     kind: int = KIND_STEP
@@ -263,6 +187,8 @@ class StepCommand:
     prefill: Sequence[PrefillRow] = ()
     masks: Sequence[MaskRow] = ()
     verify: Sequence[VerifyRow] = ()
+    repeat: bool = False
+    dropped: Sequence[int] = ()
 
     def __post_init__(self) -> None:
         if not isinstance(self.decode, DecodeRows):  # a tuple of DecodeRow is accepted too
@@ -323,8 +249,8 @@ TOKEN_MASKS = TableSpec(
 
 # version, step_id, kind, releases, new_seqs (+ banned), sampling_updates (+ banned),
 # block_updates (+ block ids), decode rows, prefill (+ tokens), token masks (+ words),
-# rewinds, verify rows (+ drafts)
-_LAYOUT = "iii" + "b" * 15
+# rewinds, verify rows (+ drafts), repeat, dropped
+_LAYOUT = "iii" + "b" * 15 + "ib"
 
 
 # --------------------------------------------------------------------------- encode / decode
@@ -333,8 +259,8 @@ _LAYOUT = "iii" + "b" * 15
 def encode(cmd: StepCommand) -> bytes:
     """The frame for ``cmd``; ``ProtocolError`` if a field has the wrong type or does not fit
     its record, or the frame would exceed ``MAX_FRAME_BYTES``."""
-    for name in ("step_id", "kind"):
-        if type(getattr(cmd, name)) is not int:
+    for name in ("step_id", "kind", "repeat"):
+        if type(getattr(cmd, name)) is not (bool if name == "repeat" else int):
             raise ProtocolError(f"{name}: expected int, got {type(getattr(cmd, name)).__name__}")
     body: list = [PROTOCOL_VERSION, cmd.step_id, cmd.kind]
     for spec, rows in ((RELEASES, cmd.releases), (NEW_SEQS, cmd.new_seqs),
@@ -346,7 +272,16 @@ def encode(cmd: StepCommand) -> bytes:
     body.extend(encode_table(TOKEN_MASKS, cmd.masks))
     body.extend(b for b in encode_table(REWINDS, cmd.rewinds) if b is not None)
     body.extend(encode_table(VERIFY, cmd.verify))
+    body.append(int(cmd.repeat))
+    body.append(_int32_words(cmd.dropped, "dropped"))
     return pack_frame(body, MAX_FRAME_BYTES, "frame")
+
+
+def _int32_words(values: Sequence[int], what: str) -> bytes:
+    try:
+        return np.asarray(values, dtype="<i4").reshape(-1).tobytes()
+    except (OverflowError, ValueError, TypeError) as exc:
+        raise ProtocolError(f"{what}: {exc}") from None
 
 
 def decode(frame: bytes, limits: WireLimits | None = None) -> StepCommand:
@@ -368,7 +303,8 @@ def decode(frame: bytes, limits: WireLimits | None = None) -> StepCommand:
             masks=decode_table(TOKEN_MASKS, f[13], f[14], rows,
                                None if limits is None else limits.mask_words),
             rewinds=decode_table(REWINDS, f[15], None, rows),
-            verify=decode_table(VERIFY, f[16], f[17], rows, MAX_DRAFT_TOKENS))
+            verify=decode_table(VERIFY, f[16], f[17], rows, MAX_DRAFT_TOKENS),
+            repeat=_flag(f[18], "repeat"), dropped=_words(f[19], rows, "dropped"))
     except ProtocolError:
         raise
     except Exception as exc:  # defensive: no other exception type may escape
@@ -381,3 +317,18 @@ def decode(frame: bytes, limits: WireLimits | None = None) -> StepCommand:
         if limits.max_step_tokens is not None and tokens > limits.max_step_tokens:
             raise ProtocolError(f"{tokens} prefill tokens exceed {limits.max_step_tokens}")
     return cmd
+
+
+def _flag(v: int, what: str) -> bool:
+    if v not in (0, 1):
+        raise ProtocolError(f"{what}: expected 0 or 1, got {v}")
+    return bool(v)
+
+
+def _words(blob: bytes, most: int | None, what: str) -> Ints:
+    """A bin of int32 words (a view of the frame's bytes)."""
+    if len(blob) % 4:
+        raise ProtocolError(f"{what}: {len(blob)} bytes is not a whole number of int32 words")
+    if most is not None and len(blob) // 4 > most:
+        raise ProtocolError(f"{what}: {len(blob) // 4} entries exceed {most}")
+    return Ints(np.frombuffer(blob, dtype="<i4"))

@@ -16,6 +16,8 @@ from __future__ import annotations
 
 import logging
 import time
+from itertools import repeat
+from operator import attrgetter, is_
 from typing import AbstractSet, Any, Callable, Sequence
 
 from epserve.models.traits import (
@@ -37,6 +39,7 @@ from epserve.worker.step_command import (
 )
 
 log = logging.getLogger(__name__)
+_TOKEN_MASK = attrgetter("token_mask")
 
 
 class StepModel(ForwardForms, KvLifecycle):
@@ -194,6 +197,7 @@ class StepModel(ForwardForms, KvLifecycle):
         cmd = self.build_command(decode_tokens, decode_seqs, prefill_slices, drafts, left_out)
         if self._fault is not None:
             cmd, self._fault = self._fault(cmd, self.rank0.mirror), None
+        self.view.rows = None  # until the step ran: the ranks' decode rows may change
         self.last_round = time.monotonic()
         try:
             results = self.channel.run(cmd)
@@ -207,6 +211,7 @@ class StepModel(ForwardForms, KvLifecycle):
     def _commit(self, cmd: StepCommand) -> None:
         """Every rank applied ``cmd``: what it shipped is now known everywhere."""
         self._shipment.commit(cmd.releases, cmd.rewinds)
+        self.book.grown.clear()
 
     def _ahead(self, decode_seqs: Sequence[SequenceState],
                prefill_slices: Sequence[PrefillSlice], verify: bool) -> bool:
@@ -244,9 +249,11 @@ class StepModel(ForwardForms, KvLifecycle):
             decode_seqs = [decode_seqs[i] for i in plain]
         kind = (KIND_DECODE_AHEAD if self._ahead(decode_seqs, prefill_slices, bool(verify))
                 else KIND_STEP)
-        decode = ship.decode_rows(decode_tokens, decode_seqs)
-        prefill, masks = [], [MaskRow(s.rank, s.slot_idx, s.token_mask) for s in decode_seqs
-                              if s.token_mask is not None]
+        decode = ship.decode_rows(decode_tokens, decode_seqs, self.book.grown)
+        masked = map(is_, map(_TOKEN_MASK, decode_seqs), repeat(None))  # rare: look in C
+        prefill, masks = [], ([] if all(masked) else [
+            MaskRow(s.rank, s.slot_idx, s.token_mask) for s in decode_seqs
+            if s.token_mask is not None])
         for sl in prefill_slices:
             seq = sl.seq
             ship.sequence(seq)
@@ -262,7 +269,7 @@ class StepModel(ForwardForms, KvLifecycle):
             releases=tuple(Release(r, s) for r, s in sorted(self.view.pending_releases)),
             new_seqs=tuple(ship.new), sampling_updates=tuple(ship.sampling),
             block_updates=tuple(ship.blocks), decode=decode, prefill=tuple(prefill),
-            masks=tuple(masks), verify=tuple(verify),
+            masks=tuple(masks), verify=tuple(verify), repeat=ship.repeat, dropped=ship.dropped,
             rewinds=tuple(Rewind(r, s, n, b) for (r, s), (n, b)
                           in sorted(self.view.pending_rewinds.items())
                           if (r, s) not in left_out))
@@ -312,6 +319,7 @@ class StepModel(ForwardForms, KvLifecycle):
         if not failed and decode_seqs and not verified:
             flats = [flat(s) for s in decode_seqs]
             got_ids = [t.token_id for t in out_decode]
+            self._shipment.ran(got_ids)  # a repeat of these rows may follow
         elif decode_seqs:
             ok = [i for i in range(len(decode_seqs)) if i not in errors]
             flats = [flat(decode_seqs[i]) for i in ok]

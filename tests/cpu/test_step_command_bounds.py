@@ -185,7 +185,9 @@ def test_mutated_big_frames_cost_at_most_4x(frame, rng):
 def _bins(**bins) -> bytes:
     order = ["rel", "new", "new_ids", "upd", "upd_ids", "blk", "blk_ids", "dec", "pre", "pre_ids",
              "msk", "msk_ids", "rew", "ver", "ver_ids"]
-    return msgpack.packb([V, 0, 0] + [bins.get(k, b"") for k in order], use_bin_type=True)
+    return msgpack.packb([V, 0, 0] + [bins.get(k, b"") for k in order] + [0, bins.get("drop",
+                                                                                b"")],
+                         use_bin_type=True)
 
 
 def _recs(spec, n: int, count: int = 0) -> bytes:
@@ -206,6 +208,7 @@ def _recs(spec, n: int, count: int = 0) -> bytes:
                                 blk_ids=bytes(4 * (n // 40)))),
     ("command", lambda n: _bins(msk=_recs(P.TOKEN_MASKS, 1, n // 4), msk_ids=bytes(4 * (n // 4)))),
     ("command", lambda n: _bins(rew=bytes(n))),
+    ("command", lambda n: _bins(drop=bytes(n))),
     ("command", lambda n: _bins(ver=_recs(P.VERIFY, n // 44, 1), ver_ids=bytes(4 * (n // 44)))),
     ("result", lambda n: msgpack.packb([V, 0, 0, _recs(R.SAMPLED, n // 48, 1),
                                         bytes(16 * (n // 48)), b"", b"", b"", b"", b"", b""])),
@@ -217,7 +220,8 @@ def _recs(spec, n: int, count: int = 0) -> bytes:
     ("result", lambda n: msgpack.packb([V, 0, 0, b"", b"", b"", b"", b"", b"",
                                         _recs(R.DRAFTS, n // 80, 16),
                                         bytes(64 * (n // 80))])),
-], ids=["decode", "releases", "new_seqs", "tokens", "blocks", "masks", "rewinds", "verify",
+], ids=["decode", "releases", "new_seqs", "tokens", "blocks", "masks", "rewinds", "dropped",
+        "verify",
         "sampled", "prompt", "verified", "drafts"])
 def test_big_well_formed_frames_cost_at_most_4x(which, make):
     """Frames the layout accepts (millions of rows, ids or alternatives) decode within bounds:

@@ -159,6 +159,7 @@ def _corrupt(kind: str, fired: dict, leader):
 
     def mutate(cmd, mirror):
         rows = {(r.rank, r.slot) for r in (*cmd.decode, *cmd.verify, *cmd.prefill)}
+        rows.update(mirror.kept_rows(cmd))  # a repeat's decode rows
         if kind == "rewind_forward":  # a rewind may only go back: this one goes forward
             hit = [r for r in cmd.rewinds if (r.rank, r.slot) in rows]
             if not hit:
