@@ -113,8 +113,9 @@ class Scheduler:
             seq = running[i]
             state = seq.state
             out = seq.output_ids
-            # Fast path, most rows of most steps: a decode row whose slot is already reserved.
-            if (out and state.seq_len == seq.num_tokens - 1
+            # Fast path, most rows of most steps: a decode row whose slot is already reserved
+            # (KV for every token but the last: ``num_tokens - 1``, without the property call).
+            if (out and state.seq_len == state.prompt_len + len(out) - 1
                     and state.seq_len < len(state.block_table) * bs):
                 decode.append(seq)
                 decode_tokens.append(out[-1])

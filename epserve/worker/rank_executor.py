@@ -71,6 +71,8 @@ class RankExecutor:
         self.folded: dict[int, int] = {}  # slot -> tokens its states hold after a verify
         self.penalties = PenaltyBook()  # penalized slots' tokens
         self._fed: dict[int, list[int]] = {}  # their tokens in the admitted step
+        # the decode rows' keys (the mirror's array) and their samplings, for a repeat's reuse
+        self._rows_sampling: tuple[Any, tuple] = (None, ())
 
     # ------------------------------------------------------------------ one step
 
@@ -162,8 +164,13 @@ class RankExecutor:
         ids = (self.last_token[slot] if feed is None
                else np.where(feed == FEED_DEVICE, self.last_token[slot], feed))
         samp = self.sampling
-        sampling = list(itemgetter(*slot.tolist())(samp)) if len(slot) > 1 else [
-            samp[s] for s in slot.tolist()]
+        if mirror.decode_keys is self._rows_sampling[0] and not (
+                cmd.new_seqs or cmd.sampling_updates or cmd.releases):  # a repeat of all rows
+            sampling = list(self._rows_sampling[1])
+        else:
+            sampling = list(itemgetter(*slot.tolist())(samp)) if len(slot) > 1 else [
+                samp[s] for s in slot.tolist()]
+            self._rows_sampling = (mirror.decode_keys, tuple(sampling))
         output_index = oidx.tolist()
         if verify:  # each position a one-token row after the decode rows
             slot = np.concatenate([slot] + [np.full(len(v.tokens), v.slot) for v in verify])

@@ -36,7 +36,7 @@ class SentRows:
     """A command's decode rows in the ranks' order: their sequences, output indices and
     sampling as sent, and (once the step ran) the token each sampled (``tokens``)."""
 
-    seqs: list[SequenceState]
+    seqs: Sequence[SequenceState]
     output_index: list[int]
     sampling: list[Any]
     tokens: list[int] | None = None
@@ -113,16 +113,21 @@ class Shipment:
             self.sent = None
             return DecodeRows()
         oidx = list(map(_OUTPUT_INDEX, seqs))
-        samp = list(map(_SAMPLING, seqs))
-        self.sent = SentRows(list(seqs), oidx, samp)
-        k = self._repeat(self.view.rows, tokens, seqs, oidx) if self.view.rows else 0
+        prev = self.view.rows
+        k = self._repeat(prev, tokens, seqs, oidx) if prev else 0
+        if k == len(seqs) and not self.dropped and all(
+                map(is_, map(_SAMPLING, seqs), prev.sampling)):
+            samp = prev.sampling  # all rows again, none with a new sampling: the same list
+        else:
+            samp = list(map(_SAMPLING, seqs))
+        self.sent = SentRows(tuple(seqs), oidx, samp)
         if k:
             view, flat = self.view, self.view.flat
             for s in grown:  # new blocks of sequences the ranks know (kept rows among them)
                 if s.slot_idx >= 0 and _UNKNOWN != view.nblocks[flat(s)] < len(s.block_table):
                     self.sequence(s)
-            if not all(map(is_, samp[:k], self._kept_sampling)):  # a changed sampling (rare)
-                for s in seqs[:k]:
+            if samp is not prev.sampling and not all(map(is_, samp[:k], self._kept_sampling)):
+                for s in seqs[:k]:  # a changed sampling (rare)
                     self.sequence(s)
             if k == len(seqs):
                 return DecodeRows()
@@ -145,7 +150,8 @@ class Shipment:
                 return 0
             pt = [t for t, m in zip(pt, keep) if m]
             po = [o for o, m in zip(po, keep) if m]
-        if list(tokens[:k]) != pt or oidx[:k] != list(map(_NEXT, po)):
+        if (tokens if k == len(tokens) else list(tokens[:k])) != pt or (
+                oidx if k == len(oidx) else oidx[:k]) != list(map(_NEXT, po)):
             return 0
         self.repeat, self.kept = True, k
         self.dropped = () if keep is None else tuple(i for i, m in enumerate(keep) if not m)
