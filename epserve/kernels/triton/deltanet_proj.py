@@ -29,7 +29,7 @@ import triton.language as tl
 
 from epserve.kernels.dispatch import (DTYPES, MAX_CONV_WIDTH, check_devices, check_state_step,
                                       interpreted)
-from epserve.kernels.triton.linear import default_gemv_tiles
+from epserve.kernels.triton.linear import default_gemv_tiles, gemv_block
 
 
 @triton.jit
@@ -39,15 +39,8 @@ def _in_proj_conv_kernel(x_ptr, w_ptr, cw_ptr, pool_ptr, slot_ptr, fresh_ptr, ou
                          BLOCK_K: tl.constexpr):
     rows = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     r_ok = rows < N
-    w_rows = w_ptr + rows[:, None].to(tl.int64) * stride_wn
-    acc = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
-    for k0 in range(0, K, BLOCK_K):
-        cols = k0 + tl.arange(0, BLOCK_K)
-        c_ok = cols < K
-        w = tl.load(w_rows + cols[None, :], mask=r_ok[:, None] & c_ok[None, :], other=0.0)
-        xv = tl.load(x_ptr + cols, mask=c_ok, other=0.0)
-        acc += w.to(tl.float32) * xv.to(tl.float32)[None, :]
-    y = tl.sum(acc, axis=1).to(out_ptr.dtype.element_ty)  # the projection, as linear's
+    y = gemv_block(x_ptr, w_ptr, rows, N, stride_wn, K, BLOCK_N,  # the projection, as
+                   BLOCK_K).to(out_ptr.dtype.element_ty)  # linear's
     # The conv update of the rows that are conv channels (causal_conv_update's kernel).
     conv = r_ok & (rows < C)
     slot = tl.load(slot_ptr).to(tl.int64)

@@ -21,9 +21,10 @@ from epserve.kernels.dispatch import DTYPES, check_devices, interpreted
 
 
 @triton.jit
-def _gemv_kernel(x_ptr, w_ptr, out_ptr, N, stride_wn,
-                 K: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
-    rows = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+def gemv_block(x_ptr, w_ptr, rows, N, stride_wn,
+               K: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    """The float32 dot products ``w[r] . x`` of the ``BLOCK_N`` rows ``rows`` (those at or past
+    N read as zero): one GEMV block, also the body of the kernels that fuse one."""
     r_ok = rows < N
     w_rows = w_ptr + rows[:, None].to(tl.int64) * stride_wn
     acc = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
@@ -33,8 +34,15 @@ def _gemv_kernel(x_ptr, w_ptr, out_ptr, N, stride_wn,
         w = tl.load(w_rows + cols[None, :], mask=r_ok[:, None] & c_ok[None, :], other=0.0)
         xv = tl.load(x_ptr + cols, mask=c_ok, other=0.0)
         acc += w.to(tl.float32) * xv.to(tl.float32)[None, :]
-    out = tl.sum(acc, axis=1)
-    tl.store(out_ptr + rows, out.to(out_ptr.dtype.element_ty), mask=r_ok)
+    return tl.sum(acc, axis=1)
+
+
+@triton.jit
+def _gemv_kernel(x_ptr, w_ptr, out_ptr, N, stride_wn,
+                 K: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    rows = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    out = gemv_block(x_ptr, w_ptr, rows, N, stride_wn, K, BLOCK_N, BLOCK_K)
+    tl.store(out_ptr + rows, out.to(out_ptr.dtype.element_ty), mask=rows < N)
 
 
 INTERPRETED = interpreted(_gemv_kernel)

@@ -32,7 +32,7 @@ import triton
 import triton.language as tl
 
 from epserve.kernels.dispatch import DTYPES, check_devices, interpreted
-from epserve.kernels.triton.linear import default_gemv_tiles
+from epserve.kernels.triton.linear import default_gemv_tiles, gemv_block
 
 
 @triton.jit
@@ -41,16 +41,8 @@ def _gemv_rows(x_ptr, w_ptr, out_ptr, row0, N, stride_wn,
     """``out[r] = w[r] . x`` for rows ``[row0, row0 + BLOCK_N)`` below N (rounded to out's
     dtype)."""
     rows = row0 + tl.arange(0, BLOCK_N)
-    r_ok = rows < N
-    w_rows = w_ptr + rows[:, None].to(tl.int64) * stride_wn
-    acc = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
-    for k0 in range(0, K, BLOCK_K):
-        cols = k0 + tl.arange(0, BLOCK_K)
-        c_ok = cols < K
-        w = tl.load(w_rows + cols[None, :], mask=r_ok[:, None] & c_ok[None, :], other=0.0)
-        xv = tl.load(x_ptr + cols, mask=c_ok, other=0.0)
-        acc += w.to(tl.float32) * xv.to(tl.float32)[None, :]
-    tl.store(out_ptr + rows, tl.sum(acc, axis=1).to(out_ptr.dtype.element_ty), mask=r_ok)
+    out = gemv_block(x_ptr, w_ptr, rows, N, stride_wn, K, BLOCK_N, BLOCK_K)
+    tl.store(out_ptr + rows, out.to(out_ptr.dtype.element_ty), mask=rows < N)
 
 
 @triton.jit
