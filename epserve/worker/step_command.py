@@ -13,7 +13,9 @@ slots, block ranges, sampling values) are not here: they need the ranks' state
 
 After a sequence's first appearance (``NewSeq``) only what changed travels: chunk tokens,
 decode feeds (a token id, or ``FEED_DEVICE``: the token this rank sampled for the slot last
-step), new block-table entries, sampling updates, releases. A row whose output is constrained
+step), new block-table entries, sampling updates, releases; the decode rows that ran in the
+last step and run again, fed what they sampled, travel as one flag (``repeat``, less the
+indices ``dropped``; ``worker.decode_rows``). A row whose output is constrained
 (structured output) carries its allowed tokens every step it samples (``MaskRow``: the packed
 bitmask, ``ceil(vocab / 32)`` int32 words, bit ``t % 32`` of word ``t // 32`` for token ``t``).
 A speculative verify row (``VerifyRow``) feeds a decode row's token and its drafted tokens in
