@@ -8,6 +8,8 @@
 #   bash bench/gpu_session.sh tests     # tests/gpu: this session's (hybrids, spec, masks)
 #   bash bench/gpu_session.sh tests-rest # tests/gpu: the others (regressions)
 #   bash bench/gpu_session.sh qwen3     # no regression: decode_latency + throughput short
+#   bash bench/gpu_session.sh host      # the short workload's host work outside the forwards,
+#                                       # profiled (cProfile inflates it: not a throughput figure)
 #   bash bench/gpu_session.sh hybrid    # issue 17: decode vs floor and transformers, MTP cost
 #   bash bench/gpu_session.sh hybrid-short   # issue 17: short workload vs transformers
 #   bash bench/gpu_session.sh mtp       # issue 17: the MTP proposer's cost per proposed token
@@ -21,7 +23,7 @@
 # Each stage tees its log to $OUT (it comes back even when a stage runs out of time); record
 # the figures in bench/RESULTS.md with the date and the exact command.
 set -o pipefail
-stage=${1:?stage: prep, tests, tests-rest, qwen3, hybrid, hybrid-short, mtp, serve, serve-haproxy or serve-wide}
+stage=${1:?stage: prep, tests, tests-rest, qwen3, host, hybrid, hybrid-short, mtp, serve, serve-haproxy or serve-wide}
 log=${OUT:-/tmp}/$stage.log
 
 if [ "$stage" = prep ]; then
@@ -68,6 +70,9 @@ case "$stage" in
   qwen3)
     { python bench/decode_latency.py --batch 1 8 --steps 32 --repeats 2 &&
       python bench/throughput.py --workload short --skip-transformers; } 2>&1 | tee "$log" ;;
+  host)  # where the short workload's host time outside the forwards goes (issue 15's ~0.1 s)
+    python bench/throughput.py --workload short --skip-transformers --profile-outside 30 2>&1 \
+      | tee "$log" ;;
   hybrid)
     { python bench/decode_latency.py --model-shape qwen3.5-35b-a3b --batch 1 4 --steps 32 \
         --repeats 2 --with-transformers &&

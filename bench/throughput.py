@@ -21,9 +21,11 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import cProfile
 import dataclasses
 import gc
 import json
+import pstats
 import random
 import sys
 import tempfile
@@ -244,11 +246,18 @@ def run_epserve(cfg: dict, work: dict, args, dtype: str) -> list[Result]:
     forwards: list[tuple[int, int, float]] = []  # (decode rows, prefill tokens, seconds)
     real_forward = model.mixed_forward_batch
 
+    prof = cProfile.Profile() if args.profile_outside else None  # host time outside forwards
+    profiling = [False]  # the timed run only
+
     def timed_forward(decode_tokens, decode_seqs, slices):
+        if profiling[0]:
+            prof.disable()
         t = time.perf_counter()
         out = real_forward(decode_tokens, decode_seqs, slices)  # samples: ends with a sync
         forwards.append((len(decode_seqs), sum(sl.chunk_len for sl in slices),
                          time.perf_counter() - t))
+        if profiling[0]:
+            prof.enable()
         return out
 
     model.mixed_forward_batch = timed_forward  # instance attribute: times each forward
@@ -264,7 +273,13 @@ def run_epserve(cfg: dict, work: dict, args, dtype: str) -> list[Result]:
         sync(args.device)
         t0 = time.perf_counter()
         with _compile_log(name, t0):
+            if prof is not None:
+                profiling[0] = True
+                prof.enable()
             outs = llm.generate(ps, sp)
+            if prof is not None:
+                prof.disable()
+                profiling[0] = False
         sync(args.device)
         wall = time.perf_counter() - t0
         got = [len(o.outputs[0].token_ids) for o in outs]
@@ -279,6 +294,9 @@ def run_epserve(cfg: dict, work: dict, args, dtype: str) -> list[Result]:
               f"outside forwards {wall - sum(f[2] for f in forwards):.2f} s", flush=True)
         print(f"[epserve {name}] forwards with prefill (decode rows, prompt tokens, ms): "
               + ", ".join(f"({r}, {t}, {1e3 * s:.0f})" for r, t, s in mix), flush=True)
+        if prof is not None:  # where the outside-forward time goes (cProfile inflates it)
+            pstats.Stats(prof).sort_stats("tottime").print_stats(args.profile_outside)
+            prof = cProfile.Profile()
     llm.close()
     return results
 
@@ -298,6 +316,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--tiny", action="store_true", help="2-layer tiny config (CPU smoke test)")
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     ap.add_argument("--skip-transformers", action="store_true")
+    ap.add_argument("--profile-outside", type=int, default=0, metavar="N",
+                    help="cProfile the host work outside the forwards; print its top N")
     ap.add_argument("--max-num-seqs", type=int, default=256)
     ap.add_argument("--max-num-batched-tokens", type=int, default=8192)
     ap.add_argument("--gpu-memory-utilization", type=float, default=0.9)
