@@ -58,15 +58,22 @@ def test_a_seeded_request_draws_alike_as_its_batch_mates_finish(llm):
 def test_a_late_arrival_joins_the_repeat_as_an_explicit_row(llm):
     """A request that arrives while another decodes is added after the kept rows; each
     seeded output equals its run alone."""
-    eng = llm.engine
-    first = eng.add_request(None, PROMPTS[0], _seeded(16, 4))
-    done = {}
-    for _ in range(4):
-        done.update((o.request_id, o) for o in eng.step(finished_only=True))
-    late = eng.add_request(None, PROMPTS[2], _seeded(8, 5))
-    while eng.has_unfinished():
-        done.update((o.request_id, o) for o in eng.step(finished_only=True))
+    eng, channel, sent = llm.engine, llm.model.channel, []
+    run = channel.run
+    channel.run = lambda cmd: (sent.append(cmd), run(cmd))[1]
+    try:
+        first = eng.add_request(None, PROMPTS[0], _seeded(16, 4))
+        done = {}
+        for _ in range(4):
+            done.update((o.request_id, o) for o in eng.step(finished_only=True))
+        late = eng.add_request(None, PROMPTS[2], _seeded(8, 5))
+        while eng.has_unfinished():
+            done.update((o.request_id, o) for o in eng.step(finished_only=True))
+    finally:
+        del channel.run
     got = [list(done[r.request_id].outputs[0].token_ids) for r in (first, late)]
+    # the step the late one first decodes: the first one's row kept, the late one's explicit
+    assert any(c.repeat and not len(c.dropped) and len(c.decode) == 1 for c in sent)
     alone = [_commands(llm, [p], [sp])[0][0]
              for p, sp in ((PROMPTS[0], _seeded(16, 4)), (PROMPTS[2], _seeded(8, 5)))]
     assert got == alone
