@@ -80,7 +80,7 @@ case "$stage" in
         --decode-only &&
       python bench/mtp_cost.py --k 1 2 3 &&
       python bench/decode_latency.py --model-shape qwen3.5-35b-a3b --batch 1 4 --steps 32 \
-        --repeats 2 --decode-lookahead on; } 2>&1 | tee "$log" ;;
+        --repeats 2 --decode-lookahead off; } 2>&1 | tee "$log" ;;  # the default (on) against off
   hybrid-short)
     python bench/throughput.py --model-shape qwen3.5-35b-a3b --workload short 2>&1 \
       | tee "$log" ;;

@@ -12,6 +12,11 @@ allocates from it and hands ``forward`` one cache per layer:
   slot that padded rows point at.
 
 Invariant: a state slot's size does not depend on the sequence's length.
+
+``allocate_states`` gives the layers of one state spec views of one tensor per state kind,
+``[L, N, *shape]`` (layer ``l``'s pool is its contiguous ``[l]``), so a copy of some slots'
+states across every layer is one launch per kind (the decode lookahead's copy aside), not one
+per layer and kind.
 """
 
 from __future__ import annotations
@@ -59,3 +64,25 @@ class StateCacheSpec:
 
 LayerCacheSpec = KvCacheSpec | StateCacheSpec
 
+
+
+def allocate_states(specs: list[StateCacheSpec], num_slots: int, device: torch.device | str
+                    ) -> tuple[list[tuple[torch.Tensor, torch.Tensor]], list[torch.Tensor]]:
+    """Zeroed states of ``num_slots`` slots for each of ``specs`` (in order), layers of equal
+    specs sharing one tensor per state kind. Returns each spec's ``(conv_state,
+    recurrent_state)`` (``[N, *shape]``, contiguous) and the shared tensors, ``[L, N,
+    *shape]`` each (the slots on dim 1)."""
+    groups: dict[StateCacheSpec, list[int]] = {}
+    for i, spec in enumerate(specs):
+        groups.setdefault(spec, []).append(i)
+    pairs: list[tuple[torch.Tensor, torch.Tensor] | None] = [None] * len(specs)
+    shared: list[torch.Tensor] = []
+    for spec, layers in groups.items():
+        conv = torch.zeros(len(layers), num_slots, *spec.conv_shape, dtype=spec.conv_dtype,
+                           device=device)
+        rec = torch.zeros(len(layers), num_slots, *spec.recurrent_shape,
+                          dtype=spec.recurrent_dtype, device=device)
+        for j, i in enumerate(layers):
+            pairs[i] = (conv[j], rec[j])
+        shared += [conv, rec]
+    return pairs, shared

@@ -20,8 +20,8 @@ class RunnerConfig:
     ``warmup_tokens`` > 0 (CUDA, one rank): an eager forward of that many padded prompt rows
     at start, so the prefill-size Triton kernels compile before the first request, not in it.
     ``decode_lookahead``: queue each pure decode step's likely successor on the device before
-    the host reads its tokens (``worker.lookahead``); None: on wherever decode graphs are,
-    except for models with recurrent state (on for them only when True).
+    the host reads its tokens (``worker.lookahead``); None: on wherever decode graphs are
+    (with recurrent state, for steps of up to 4 rows, whose states it copies aside).
     ``max_logprobs``: the engine's bound on a row's logprobs (-1: the vocabulary size), which
     the rank's validator holds every command to. ``mtp_drafts`` > 0: load the checkpoint's
     MTP head and draft that many tokens per sampled sequence after each step

@@ -3,8 +3,8 @@ them, against transformers fp32: greedy continuations token-identical and logpro
 logprobs) within 1e-4, with the prompts chunked across the linear-attention layers, a KV pool
 small enough to preempt (a preempted sequence recomputes its state from zero) and requests
 arriving while others run. What hybrids cannot do yet is refused or reported, never ignored:
-prefix caching is off (no state snapshots), the decode lookahead and serving as a draft model
-are refused, and every rank refuses a command that would need state it does not have
+prefix caching is off (no state snapshots), serving as a draft model is refused, and every
+rank refuses a command that would need state it does not have
 (speculative decoding on hybrids: tests/cpu/test_hybrid_spec.py)."""
 
 from __future__ import annotations

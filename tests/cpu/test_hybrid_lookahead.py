@@ -1,5 +1,5 @@
-"""Decode lookahead on a gated-DeltaNet hybrid (``decode_lookahead=True``; off by default for
-them until measured on the GPU): the queued forward advances each row's recurrent state in
+"""Decode lookahead on a gated-DeltaNet hybrid (``decode_lookahead=True``; on by default
+wherever decode graphs are, as for every model): the queued forward advances each row's recurrent state in
 place, so the rows' states are copied aside first and copied back when the forward is dropped.
 Every test generates the same requests with the lookahead off and on: token for token the
 same, with forwards taken (hits) and dropped (rows that stopped early, requests that arrived
@@ -71,3 +71,34 @@ def _staggered(ckpt, lookahead: bool) -> dict[str, list[int]]:
 
 def test_requests_arriving_mid_decode(hybrid_ckpt):
     assert _staggered(hybrid_ckpt, True) == _staggered(hybrid_ckpt, False)
+
+
+def test_dropped_forward_gives_every_layer_its_states_back(hybrid_ckpt):
+    """The copy aside covers every linear-attention layer's conv and recurrent state of the
+    queued rows, and only theirs: states written after the copy (as the queued forward does)
+    are exactly the copied ones again once the forward is dropped, other slots untouched."""
+    import numpy as np
+    import torch
+
+    runner = LLM(model=str(hybrid_ckpt), dtype="float32", device="cpu",
+                 decode_lookahead=True).model.runner
+    la, caches = runner.lookahead, runner.kv_caches
+    from epserve.models.layer_cache import StateCacheSpec
+
+    states = [c for c, spec in zip(caches, runner.model.layer_cache_specs())
+              if isinstance(spec, StateCacheSpec)]  # (conv, recurrent) per DeltaNet layer
+    assert len(states) >= 2 and len(la.state_pools) == 2  # two layers, one tensor per kind
+    gen = torch.Generator().manual_seed(0)
+    for conv, rec in states:  # every layer's states are views of the shared tensors
+        conv.copy_(torch.randn(conv.shape, generator=gen))
+        rec.copy_(torch.randn(rec.shape, generator=gen))
+    before = [(c.clone(), r.clone()) for c, r in states]
+    slots = np.array([3, 1])
+    la._save(slots)
+    for conv, rec in states:  # the queued forward advances the rows' states in place
+        conv[slots] += 1.0
+        rec[slots] *= -2.0
+    la.discard()
+    assert la.restored == 1
+    for (conv, rec), (c0, r0) in zip(states, before):
+        assert torch.equal(conv, c0) and torch.equal(rec, r0)
