@@ -19,7 +19,7 @@ from torch import nn
 
 from epserve.kernels.attention import AttentionMetadata
 from epserve.kernels.linear import linear
-from epserve.kernels.moe import fused_moe
+from epserve.kernels.moe import RoutedPairs, fused_moe, fused_moe_pairs
 from epserve.kernels.norm import (fused_add_rms_norm, fused_add_zero_centred_rms_norm, rms_norm,
                                   zero_centred_rms_norm)
 from epserve.kernels.rope import apply_rope, build_rope_cache
@@ -161,6 +161,13 @@ class StackedExperts(nn.Module):
     def forward(self, x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor) -> torch.Tensor:
         return fused_moe(x, self.w13, self.w2, topk_ids, topk_weights, expert_offset=self.expert_start)
 
+    def pairs(self, x: torch.Tensor, topk_ids: torch.Tensor,
+              topk_weights: torch.Tensor) -> torch.Tensor | RoutedPairs:
+        """``forward`` with the combine left to the caller where the Triton pipeline runs
+        (``fused_moe_pairs``)."""
+        return fused_moe_pairs(x, self.w13, self.w2, topk_ids, topk_weights,
+                               expert_offset=self.expert_start)
+
 
 class SparseMoeBlock(nn.Module):
     """Route each token to K of E experts and sum their weighted outputs (local or via EP comm).
@@ -202,11 +209,14 @@ class SparseMoeBlock(nn.Module):
                                self.gate.top_k, self.gate.renormalize, row_slots,
                                zero_centred=isinstance(norm, ZeroCentredRMSNorm))
 
-    def run_experts(self, x: torch.Tensor, topk_ids: torch.Tensor,
-                    topk_weights: torch.Tensor) -> torch.Tensor:
-        """The routed experts of ``x`` (this rank's, or through the EP exchange)."""
+    def run_experts(self, x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor,
+                    pairs: bool = False) -> torch.Tensor | RoutedPairs:
+        """The routed experts of ``x`` (this rank's, or through the EP exchange): [T, H]. With
+        ``pairs`` on one rank, ``StackedExperts.pairs``: the pair rows uncombined where the
+        Triton pipeline runs, for a caller that sums them in its own launch."""
         if self.parallel.world_size == 1:
-            return self.experts(x, topk_ids, topk_weights)
+            run = self.experts.pairs if pairs else self.experts
+            return run(x, topk_ids, topk_weights)
         comm = self.parallel.ep_comm
         if comm is None:
             raise RuntimeError(f"SparseMoeBlock: world_size={self.parallel.world_size} but "

@@ -52,7 +52,7 @@ class SharedExpertMoeBlock(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """x: [T, H]. Returns [T, H]."""
-        return self._add_shared(x, self.routed(x))
+        return self._add_shared(x, *self.routed.gate(x))
 
     def forward_prenorm(self, x: torch.Tensor, residual: torch.Tensor, norm: nn.Module,
                         row_slots: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
@@ -60,11 +60,14 @@ class SharedExpertMoeBlock(nn.Module):
         router in one launch at decode sizes (``SparseMoeBlock.route_prenorm``). Returns
         ``(output, new residual)``."""
         hidden, residual, ids, weights = self.routed.route_prenorm(x, residual, norm, row_slots)
-        return self._add_shared(hidden, self.routed.run_experts(hidden, ids, weights)), residual
+        return self._add_shared(hidden, ids, weights), residual
 
-    def _add_shared(self, x: torch.Tensor, routed: torch.Tensor) -> torch.Tensor:
-        """``routed + sigmoid(shared_expert_gate(x)) * shared_expert(x)``: two launches at one
-        row on the Triton path (``shared_expert_add``), the eager ops otherwise."""
+    def _add_shared(self, x: torch.Tensor, topk_ids: torch.Tensor,
+                    topk_weights: torch.Tensor) -> torch.Tensor:
+        """``routed + sigmoid(shared_expert_gate(x)) * shared_expert(x)`` (``shared_expert_add``:
+        two launches at one row on the Triton path, which on one rank also sum the routed
+        experts' pair rows, so the MoE's combine launch goes; the eager ops otherwise)."""
+        routed = self.routed.run_experts(x, topk_ids, topk_weights, pairs=True)
         mlp = self.shared_expert
         return shared_expert_add(x, routed, mlp.gate_up_proj.weight, mlp.down_proj.weight,
                                  self.shared_expert_gate.weight)

@@ -1,12 +1,17 @@
 """The hybrids' whole decode path as CUDA runs it (every Triton kernel in the interpreter, on
 CPU), held to transformers fp32 at 1e-4 like the reference path: a prompt, then decode steps
 in a CUDA graph's form (device lengths) of one row (the fused launches: the shared expert in
-two, the DeltaNet's conv and gated norm inside its projections) and of two rows (the shared
-expert's elementwise launches between its projections).
+two, with the routed experts' combine in the second; the DeltaNet's conv and gated norm inside
+its projections) and of two rows (the combine's launch, then the shared expert's elementwise
+launches between its projections).
+
+Under EP (two ranks in one process, ``fake_ep``) the routed output still comes back through the
+exchange combined, each rank's combine its own launch, and the logits are one rank's.
 
 And what a batch-1 decode forward launches, counted as bench/count_decode_launches.py counts
-it: no eager op but the embedding and the step's fresh-sequence mask, and 10 Triton launches a
-layer of either kind (issue 17: 18 a DeltaNet layer and 16 an attention layer before).
+it: no eager op but the embedding and the step's fresh-sequence mask, and 9 Triton launches a
+layer of either kind, none of them the MoE's combine (issue 17: 18 a DeltaNet layer and 16 an
+attention layer before session 14, 10 each before session 15).
 """
 
 from __future__ import annotations
@@ -26,6 +31,8 @@ from torch.utils._python_dispatch import TorchDispatchMode  # noqa: E402
 import paged_runner  # noqa: E402
 from epserve.kernels.attention import AttentionMetadata  # noqa: E402
 from epserve.models.loader import load_model  # noqa: E402
+from epserve.models.parallel import ParallelInfo  # noqa: E402
+from fake_ep import LoopbackComm, RecordingComm  # noqa: E402
 from paged_runner import PagedRunner, Schedule, prompts  # noqa: E402
 from tiny_ckpt import make_tiny_checkpoint  # noqa: E402
 
@@ -49,10 +56,15 @@ def _graph_meta(slot_mapping, qsl, seq_lens, table, block_size, **kw):
 
 
 @pytest.fixture(scope="module", params=["qwen3_5_moe", "qwen3_next"])
-def models(request, tmp_path_factory):
+def ckpt(request, tmp_path_factory):
+    return make_tiny_checkpoint(request.param, tmp_path_factory.mktemp(request.param))
+
+
+@pytest.fixture(scope="module")
+def models(ckpt):
     import transformers
 
-    path = make_tiny_checkpoint(request.param, tmp_path_factory.mktemp(request.param))
+    path = ckpt
     arch = json.loads((path / "config.json").read_text())["architectures"][0]
     hf = getattr(transformers, arch).from_pretrained(path, dtype=torch.float32,
                                                      attn_implementation="eager").eval()
@@ -75,6 +87,34 @@ def test_decode_on_the_kernels_matches_transformers(models, batch, cuda_path):
     for _ in range(3):
         sched.run([sched.decode(name) for name in seqs])
     sched.check(hf, ATOL)
+
+
+def test_a_batch_1_decode_under_ep_keeps_the_exchange(ckpt, models, cuda_path, monkeypatch):
+    _, ours, cfg = models
+    fmt, sek = (_MODS[_NAMES.index(n)] for n in ("fused_moe", "shared_expert"))
+    calls = []
+    for mod, name in ((fmt, "combine_pairs_triton"), (sek, "shared_expert_pairs_triton")):
+        monkeypatch.setattr(mod, name, lambda *a, _r=getattr(mod, name), _n=name:
+                            calls.append(_n) or _r(*a))
+
+    def decode(model):  # a prompt, then one batch-1 decode step: its logits
+        runner = PagedRunner(model, cfg)
+        runner.step([("a", [5, 6, 7])])
+        calls.clear()
+        return runner.step([("a", [8])])["a"]
+
+    want = decode(ours)
+    assert "combine_pairs_triton" not in calls and "shared_expert_pairs_triton" in calls
+    recorder = RecordingComm()
+    rank1, _ = load_model(ckpt, dtype=torch.float32, device="cpu",
+                          parallel=ParallelInfo(rank=1, world_size=2, ep_comm=recorder))
+    decode(rank1)
+    rank0, _ = load_model(ckpt, dtype=torch.float32, device="cpu", parallel=ParallelInfo(
+        rank=0, world_size=2, ep_comm=LoopbackComm(recorder.local_fns)))
+    got = decode(rank0)
+    moe_layers = sum(hasattr(layer.ffn, "routed") for layer in rank0.layers)
+    assert calls == ["combine_pairs_triton"] * 2 * moe_layers  # each rank's, none fused
+    torch.testing.assert_close(got, want, atol=1e-5, rtol=0)
 
 
 class _Count(TorchDispatchMode):
@@ -120,7 +160,8 @@ def test_a_batch_1_decode_forward_launches(models, cuda_path, monkeypatch):
     runner.step([("a", [8])])
     assert set(count.ops) <= {"embedding", "eq"}, count.ops
     layers = len(cfg.layer_types)
-    assert sum(launches.values()) == 10 * layers + 1, launches  # + the final norm
+    assert sum(launches.values()) == 9 * layers + 1, launches  # + the final norm
+    assert "_combine_kernel" not in launches, launches  # in the shared expert's epilogue
     attention = cfg.layer_types.count("full_attention")  # its two projections: plain GEMVs
     assert launches["_gemv_kernel"] == 2 * attention, launches  # (the DeltaNet's are fused)
     assert launches["_in_proj_conv_kernel"] == launches["_gated_norm_out_kernel"] == \

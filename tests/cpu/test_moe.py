@@ -1,6 +1,8 @@
 """The fused MoE op: ``fused_moe_ref`` against a per-token loop (the public entry on both
-paths), the Triton pipeline (interpreter on CPU) against ``fused_moe_ref``, and its layout step
-``moe_align`` (Triton) / ``moe_align_torch`` against ``moe_align_ref``.
+paths), the Triton pipeline (interpreter on CPU) against ``fused_moe_ref``, its pair rows
+before the combine (``fused_moe_pairs``, ``combine_pairs``: the combine kernel is its torch
+reference bit for bit), and its layout step ``moe_align`` (Triton) / ``moe_align_torch``
+against ``moe_align_ref``.
 
 Tolerances of the Triton pipeline: fp32 atol 1e-4 (abs); fp16 max |err| <= 2e-2 * max |ref|.
 """
@@ -12,7 +14,8 @@ import torch
 import torch.nn.functional as F
 from kernel_interp import interpreted_modules, kernel_fixtures, needs_triton
 
-from epserve.kernels.moe import fused_moe, fused_moe_ref
+from epserve.kernels.moe import (RoutedPairs, combine_pairs, combine_pairs_ref, fused_moe,
+                                fused_moe_pairs, fused_moe_ref)
 
 _NAMES = ("fused_moe", "moe_align")
 _MODS = interpreted_modules(*_NAMES)
@@ -69,6 +72,44 @@ def test_fused_moe_rejects_bad_shapes(path):
         fused_moe(x, w13, w2[:, :, :-1], ids, weights)
     with pytest.raises(ValueError, match="topk_ids"):
         fused_moe(x, w13, w2, ids[:-1], weights)
+
+
+@pytest.mark.parametrize("t", [1, 13])  # 1: a block per pair; 13: through the layout
+def test_fused_moe_pairs_combine_to_fused_moe(path, t):
+    """On the Triton path the pair rows (a shard's: its local ones), whose combine is
+    ``fused_moe``'s output bit for bit; elsewhere ``fused_moe_ref``'s output itself."""
+    x, w13, w2, ids, weights = _moe_case(t=t, seed=2)
+    for lo, hi in ((0, 8), (3, 6)):
+        got = fused_moe_pairs(x, w13[lo:hi], w2[lo:hi], ids, weights, expert_offset=lo)
+        want = fused_moe(x, w13[lo:hi], w2[lo:hi], ids, weights, expert_offset=lo)
+        assert isinstance(got, RoutedPairs) == (path == "interpreter")
+        if path == "interpreter":
+            assert (got.y.shape, got.expert_offset, got.num_local) == ((t * 2, 16), lo, hi - lo)
+            got = combine_pairs(got)
+        assert torch.equal(got, want)
+        torch.testing.assert_close(got, fused_moe_ref(x, w13[lo:hi], w2[lo:hi], ids, weights,
+                                                      expert_offset=lo), atol=1e-5, rtol=1e-5)
+
+
+@needs_triton
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16], ids=str)
+def test_combine_kernel_is_its_reference(dtype, interpret):
+    """The combine's launch against ``combine_pairs_ref``: the same float32 sums (bf16: the
+    interpreter rounds the sum to bf16 by truncation, torch to nearest: one ulp); the pairs
+    of other shards' experts are never read (NaN rows here)."""
+    g = torch.Generator().manual_seed(5)
+    ids = torch.randint(0, 9, (6, 4), generator=g, dtype=torch.int32)
+    pairs = RoutedPairs(torch.randn(24, 40, generator=g).to(dtype), ids, 2, 5)
+    local = ((ids >= 2) & (ids < 7)).reshape(-1)
+    assert local.any() and not local.all()
+    pairs.y[~local] = float("nan")
+    got = fmt.combine_pairs_triton(pairs.y, ids, 2, 5)
+    want = combine_pairs_ref(pairs)
+    if dtype == torch.bfloat16:
+        torch.testing.assert_close(got, want, rtol=2 ** -7, atol=0)
+    else:
+        assert torch.equal(got, want)
+    assert torch.equal(combine_pairs(pairs), got)
 
 
 # --------------------------------------------------------------------------- the Triton pipeline

@@ -21,6 +21,9 @@ Qwen3.5-35B-A3B shapes: hidden 2048; gated attention 16 q heads, 2 kv heads, D 2
   its elementwise ops as two launches) against the eager ops; the DeltaNet input projection
   with the conv update and the gated norm with the output projection, each one launch at one
   row, against the two launches it replaces (fp32: 1e-5; bf16: its rounding).
+- Session 15 (issue 17): the shared expert's one-row down GEMV summing the routed pair rows
+  (256 experts, top-8, I 512; one rank, and a shard) against the combine's launch and then the
+  add: bit for bit in bf16; within bf16 rounding of ``shared_expert_ref`` of ``fused_moe_ref``.
 Prints microseconds per CUDA-graph replay at batch 1, new path against the old one.
 """
 
@@ -40,6 +43,7 @@ pytestmark = [
 
 H, HQ, HKV, D, R, BS = 2048, 16, 2, 256, 64, 16
 HK, HV, DK, DV = 16, 32, 128, 128
+E, TOPK, I_MOE = 256, 8, 512  # the routed experts
 BF = torch.bfloat16
 EPS = 1e-6
 
@@ -296,6 +300,36 @@ def test_shared_expert_fused(t, dtype):
         1e-5 if dtype == torch.float32 else 1e-2)
 
 
+def _routed_case(num_local, seed):
+    """A batch-1 token's routing (a fixed top-8 of 256 experts, weights summing to 1) and this
+    rank's ``num_local`` experts' bf16 weights."""
+    g = _gen(seed)
+    w13 = (torch.randn(num_local, 2 * I_MOE, H, device="cuda", generator=g) * H ** -0.5).to(BF)
+    w2 = (torch.randn(num_local, H, I_MOE, device="cuda", generator=g) * I_MOE ** -0.5).to(BF)
+    ids = torch.tensor([[3, 200, 17, 90, 255, 64, 128, 1]], device="cuda")
+    wts = torch.rand(1, TOPK, device="cuda", generator=g)
+    return w13, w2, ids, wts / wts.sum()
+
+
+@pytest.mark.parametrize("num_local,offset", [(E, 0), (E // 2, E // 4)],
+                         ids=["one rank", "a shard"])
+def test_shared_expert_sums_the_routed_pairs(num_local, offset):
+    """Batch 1, bf16: the down GEMV's epilogue summing the routed pair rows (no combine launch)
+    is the combine's launch and then the add, bit for bit (the same float32 sums, rounded at
+    the same point). The shard holds experts 64..191: three of the token's eight pairs."""
+    from epserve.kernels.moe import RoutedPairs, combine_pairs, fused_moe_pairs, fused_moe_ref
+    from epserve.kernels.shared_expert import shared_expert_add, shared_expert_ref
+
+    x, _, *w = _shared_case(1, BF, seed=60)
+    w13, w2, ids, wts = _routed_case(num_local, seed=61)
+    pairs = fused_moe_pairs(x, w13, w2, ids, wts, expert_offset=offset)
+    assert isinstance(pairs, RoutedPairs)
+    got = shared_expert_add(x, pairs, *w)
+    assert torch.equal(got, shared_expert_add(x, combine_pairs(pairs), *w))
+    want = shared_expert_ref(x, fused_moe_ref(x, w13, w2, ids, wts, expert_offset=offset), *w)
+    assert _rel(got, want) < 1e-2
+
+
 def _deltanet_proj_case(dtype, seed):
     g, c = _gen(seed), 2 * HK * DK + HV * DV
     x = torch.randn(1, H, device="cuda", generator=g).to(dtype)
@@ -338,6 +372,7 @@ def test_fused_projections_graph_timing_at_batch_1():
     from epserve.kernels.causal_conv import causal_conv_step
     from epserve.kernels.deltanet_proj import gated_norm_out_proj, in_proj_conv
     from epserve.kernels.linear import linear
+    from epserve.kernels.moe import combine_pairs, fused_moe_pairs
     from epserve.kernels.norm import gated_rms_norm
     from epserve.kernels.shared_expert import shared_expert_add, shared_expert_ref
 
@@ -346,6 +381,7 @@ def test_fused_projections_graph_timing_at_batch_1():
                                                                               device="cuda")
     z = torch.randn(1, HV * DV + 3, device="cuda", dtype=BF)[:, 3:].view(1, HV, DV)
     case = _shared_case(1, BF, seed=51)
+    routed = fused_moe_pairs(case[0], *_routed_case(E, seed=52))
     pairs = {
         "in_proj + conv": (lambda: in_proj_conv(x, w_in, cw, pool, slots, fr, (0, 1), True),
                            lambda: causal_conv_step(linear(x, w_in)[:, :c], cw, pool, slots, fr,
@@ -354,6 +390,9 @@ def test_fused_projections_graph_timing_at_batch_1():
                                   lambda: linear(gated_rms_norm(o, z, nw, EPS).reshape(1, -1),
                                                  w_out)),
         "shared expert": (lambda: shared_expert_add(*case), lambda: shared_expert_ref(*case)),
+        "routed combine + shared expert": (
+            lambda: shared_expert_add(case[0], routed, *case[2:]),
+            lambda: shared_expert_add(case[0], combine_pairs(routed), *case[2:])),
     }
     for name, (fused, unfused) in pairs.items():
         fused_us, unfused_us = graph_us(fused), graph_us(unfused)

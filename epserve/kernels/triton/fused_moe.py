@@ -9,8 +9,11 @@ each expert's group to a multiple of ``block_m`` with the sentinel ``T * K``; GE
 ``x[p // K]`` and writes ``silu(gate) * up`` ([P, I], x.dtype, in sorted order); GEMM 2 reads that
 intermediate, multiplies by the routing weight and scatters rows in x.dtype to ``y[p]`` (each pair's
 weighted output rounded once, as the final cast would; half the bytes of float32 rows); the combine
-sums each token's local pairs of ``y`` (one launch, also the cast). Importing this module imports triton; kernels decorated while
-``TRITON_INTERPRET=1`` is set run in the Triton interpreter (CPU tensors allowed).
+sums each token's local pairs of ``y`` (one launch, also the cast). ``fused_moe_pairs_triton`` stops
+before the combine (``combine_pairs_triton`` is it alone), and ``combine_pairs_block`` is its sum
+for another kernel's epilogue (the shared expert's down GEMV at one row, ``shared_expert.py``).
+Importing this module imports triton; kernels decorated while ``TRITON_INTERPRET=1`` is set run
+in the Triton interpreter (CPU tensors allowed).
 """
 
 from __future__ import annotations
@@ -108,21 +111,29 @@ def _moe_gemm_kernel(a_ptr, b_ptr, c_ptr, w_ptr, sorted_ids_ptr, block_expert_pt
 
 
 @triton.jit
-def _combine_kernel(y_ptr, ids_ptr, out_ptr, h, num_local, expert_offset,
-                    TOP_K: tl.constexpr, BLOCK_H: tl.constexpr):
-    """out[t, cols] = sum over k of y[t * K + k, cols] for pairs routed to a local expert
-    (others were never written), in float32, stored in out's dtype."""
-    t = tl.program_id(0).to(tl.int64)
-    cols = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
-    mask = cols < h
-    acc = tl.zeros([BLOCK_H], tl.float32)
+def combine_pairs_block(y_ptr, ids_ptr, t, cols, h, num_local, expert_offset,
+                        TOP_K: tl.constexpr):
+    """Token ``t``'s routed output at ``cols`` (a block of column indices; those ``>= h`` read
+    nothing): ``sum over k of y[t * K + k, cols]`` for the pairs routed to a local expert (the
+    other rows are never read: they may hold anything), in float32, k ascending. Returns the
+    float32 block, unrounded; y is [T * K, h] contiguous, ids [T, K]."""
+    acc = tl.zeros(cols.shape, tl.float32)
     for k in tl.static_range(TOP_K):
         e = tl.load(ids_ptr + t * TOP_K + k).to(tl.int64) - expert_offset
         # a non-local pair reads nothing (the bound, not a scalar bool mask: newer interpreters)
         lim = tl.where((e >= 0) & (e < num_local), h, 0)
         acc += tl.load(y_ptr + (t * TOP_K + k) * h + cols, mask=cols < lim, other=0.0)
-    tl.store(out_ptr + t * h + cols, acc.to(out_ptr.dtype.element_ty), mask=mask)
+    return acc
 
+
+@triton.jit
+def _combine_kernel(y_ptr, ids_ptr, out_ptr, h, num_local, expert_offset,
+                    TOP_K: tl.constexpr, BLOCK_H: tl.constexpr):
+    """out[t, cols] = ``combine_pairs_block`` of token t, stored in out's dtype."""
+    t = tl.program_id(0).to(tl.int64)
+    cols = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
+    acc = combine_pairs_block(y_ptr, ids_ptr, t, cols, h, num_local, expert_offset, TOP_K)
+    tl.store(out_ptr + t * h + cols, acc.to(out_ptr.dtype.element_ty), mask=cols < h)
 
 
 @dataclass(frozen=True)
@@ -207,41 +218,81 @@ def fused_moe_triton(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_
                      topk_weights: torch.Tensor, expert_offset: int = 0, *,
                      block_m: int | None = None, block_n: int | None = None,
                      block_k: int | None = None, tiles: MoeTiles | None = None) -> torch.Tensor:
-    """Triton implementation of ``fused_moe_ref`` (same contract). Returns [T, H] x.dtype.
+    """Triton implementation of ``fused_moe_ref`` (same contract). Returns [T, H] x.dtype:
+    ``combine_pairs_triton`` of ``fused_moe_pairs_triton`` (the keywords are its)."""
+    y, ids = fused_moe_pairs_triton(x, w13, w2, topk_ids, topk_weights, expert_offset,
+                                    block_m=block_m, block_n=block_n, block_k=block_k,
+                                    tiles=tiles)
+    return combine_pairs_triton(y, ids, expert_offset, w13.shape[0])
+
+
+def combine_pairs_triton(y: torch.Tensor, ids: torch.Tensor, expert_offset: int,
+                         num_local: int) -> torch.Tensor:
+    """Each token's routed output from its pair rows in one launch: ``out[t] = sum over k of
+    y[t * K + k]`` over the k with ``ids[t, k]`` in ``[expert_offset, expert_offset +
+    num_local)``, in float32, rounded to y's dtype. y: [T * K, H] contiguous, one of
+    ``DTYPES``; ids: [T, K] int64 or int32, contiguous. Returns a new [T, H]."""
+    if y.dim() != 2 or ids.dim() != 2 or y.shape[0] != ids.numel():
+        raise ValueError(f"combine_pairs_triton: y {tuple(y.shape)} and ids "
+                         f"{tuple(ids.shape)} must be [T * K, H] and [T, K]")
+    if y.dtype not in DTYPES or ids.dtype not in (torch.int64, torch.int32):
+        raise ValueError(f"combine_pairs_triton: y's dtype {y.dtype} must be one of {DTYPES}, "
+                         f"ids' {ids.dtype} int64 or int32")
+    if not (y.is_contiguous() and ids.is_contiguous()) or y.device != ids.device:
+        raise ValueError("combine_pairs_triton: y and ids must be contiguous, on one device")
+    (t, top_k), h = ids.shape, y.shape[1]
+    out = torch.empty((t, h), dtype=y.dtype, device=y.device)
+    if out.numel():
+        block_h = min(1024, triton.next_power_of_2(h))
+        _combine_kernel[(t, triton.cdiv(h, block_h))](y, ids, out, h, num_local, expert_offset,
+                                                       TOP_K=top_k, BLOCK_H=block_h)
+    return out
+
+
+def fused_moe_pairs_triton(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
+                           topk_ids: torch.Tensor, topk_weights: torch.Tensor,
+                           expert_offset: int = 0, *, block_m: int | None = None,
+                           block_n: int | None = None, block_k: int | None = None,
+                           tiles: MoeTiles | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """The pipeline up to the combine (arguments as ``fused_moe_ref``'s). Returns ``(y, ids)``:
+    y [T * K, H] x.dtype, row ``t * K + k`` pair (t, k)'s weighted expert output, written
+    only for local experts (the other rows hold anything); ids the contiguous [T, K] topk_ids
+    (``combine_pairs_triton(y, ids, expert_offset, E)`` is ``fused_moe_triton``'s output).
 
     ``tiles`` sets every tile size and the launch shape (default: ``default_tiles``);
     block_m / block_n / block_k override single sizes of it (each >= 16, powers of two).
     """
+    name = "fused_moe_pairs_triton"
     if x.dim() != 2:
-        raise ValueError(f"fused_moe_triton: x must be 2-D [T, H], got {tuple(x.shape)}")
+        raise ValueError(f"{name}: x must be 2-D [T, H], got {tuple(x.shape)}")
     if w13.dim() != 3 or w2.dim() != 3:
-        raise ValueError(f"fused_moe_triton: w13 {tuple(w13.shape)} and w2 {tuple(w2.shape)} "
-                         f"must be 3-D [E, 2I, H] and [E, H, I]")
+        raise ValueError(f"{name}: w13 {tuple(w13.shape)} and w2 {tuple(w2.shape)} must be 3-D "
+                         f"[E, 2I, H] and [E, H, I]")
     t, h = x.shape
     e, two_i, h13 = w13.shape
     if h13 != h or two_i % 2 or tuple(w2.shape) != (e, h, two_i // 2):
-        raise ValueError(f"fused_moe_triton: x {tuple(x.shape)}, w13 {tuple(w13.shape)} and w2 "
+        raise ValueError(f"{name}: x {tuple(x.shape)}, w13 {tuple(w13.shape)} and w2 "
                          f"{tuple(w2.shape)} must be [T, H], [E, 2I, H], [E, H, I]")
     inter = two_i // 2
     if topk_ids.dim() != 2 or topk_ids.shape != topk_weights.shape or topk_ids.shape[0] != t:
-        raise ValueError(f"fused_moe_triton: topk_ids {tuple(topk_ids.shape)} and topk_weights "
+        raise ValueError(f"{name}: topk_ids {tuple(topk_ids.shape)} and topk_weights "
                          f"{tuple(topk_weights.shape)} must both be [{t}, K]")
     if topk_ids.dtype not in (torch.int64, torch.int32):
-        raise ValueError(f"fused_moe_triton: topk_ids must be int64 or int32, got {topk_ids.dtype}")
+        raise ValueError(f"{name}: topk_ids must be int64 or int32, got {topk_ids.dtype}")
     if not topk_weights.is_floating_point():
-        raise ValueError(f"fused_moe_triton: topk_weights must be floating, got "
-                         f"{topk_weights.dtype}")
+        raise ValueError(f"{name}: topk_weights must be floating, got {topk_weights.dtype}")
     if x.dtype not in DTYPES or w13.dtype != x.dtype or w2.dtype != x.dtype:
-        raise ValueError(f"fused_moe_triton: x, w13, w2 must share one of {DTYPES}, got "
+        raise ValueError(f"{name}: x, w13, w2 must share one of {DTYPES}, got "
                          f"{x.dtype}, {w13.dtype}, {w2.dtype}")
     if not (w13.is_contiguous() and w2.is_contiguous()):
-        raise ValueError("fused_moe_triton: w13 and w2 must be contiguous")
+        raise ValueError(f"{name}: w13 and w2 must be contiguous")
     devices = {x.device, w13.device, w2.device, topk_ids.device, topk_weights.device}
     if len(devices) != 1:
-        raise ValueError(f"fused_moe_triton: all tensors must be on one device, got {devices}")
+        raise ValueError(f"{name}: all tensors must be on one device, got {devices}")
     top_k = topk_ids.shape[1]
-    if t == 0 or top_k == 0 or e == 0:
-        return torch.zeros((t, h), dtype=x.dtype, device=x.device)
+    ids = topk_ids if topk_ids.is_contiguous() else topk_ids.contiguous()
+    if t == 0 or top_k == 0 or e == 0:  # nothing to compute: no local pair to read
+        return torch.zeros((t * top_k, h), dtype=x.dtype, device=x.device), ids
     if tiles is None:
         tiles = default_tiles(t * top_k, e, h, inter, x.element_size())
     over = {k: v for k, v in (("block_m", block_m), ("block_n1", block_n), ("block_n2", block_n),
@@ -249,7 +300,6 @@ def fused_moe_triton(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_
     if over:
         tiles = replace(tiles, **over)
     block_m = tiles.block_m
-    ids = topk_ids if topk_ids.is_contiguous() else topk_ids.contiguous()
     pair_blocks = t * top_k <= PAIR_BLOCKS_MAX_PAIRS
     if pair_blocks:  # one block per pair, experts read from topk_ids: no layout to build
         block_expert, sorted_ids = ids.reshape(-1), ids  # sorted_ids: unused
@@ -275,9 +325,4 @@ def fused_moe_triton(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_
             0, block_m, block_n=tiles.block_n2, block_k=tiles.block_k2, warps=tiles.warps2,
             stages=tiles.stages2, a_by_pair=False, c_by_pair=True, fuse_silu=False,
             mul_weight=True, pair_blocks=pair_blocks, expert_offset=expert_offset, num_local=e)
-    # Combine: each token's local pairs summed in float32 (the combine skips non-local pairs).
-    out = torch.empty((t, h), dtype=x.dtype, device=x.device)
-    block_h = min(1024, triton.next_power_of_2(h))
-    _combine_kernel[(t, triton.cdiv(h, block_h))](y, ids, out, h, e, expert_offset,
-                                                   TOP_K=top_k, BLOCK_H=block_h)
-    return out
+    return y, ids

@@ -10,7 +10,10 @@ Same contract as ``epserve.kernels.shared_expert.shared_expert_ref`` (the defini
 2. ``_swiglu_down_kernel``: the down GEMV whose prologue forms ``silu(g) * u`` chunk by chunk
    (each rounded to the dtype, as the eager ``silu`` then ``mul``) and whose epilogue is
    ``routed + sigmoid(logit) * y`` (``y``, the sigmoid and the product each rounded, then the
-   sum), as the eager ``sigmoid``, ``mul`` and ``add``.
+   sum), as the eager ``sigmoid``, ``mul`` and ``add``. ``shared_expert_pairs_triton`` gives
+   ``routed`` as the fused MoE's pair rows: the epilogue sums them first
+   (``fused_moe.combine_pairs_block``, rounded as the combine's launch stores it), so a batch-1
+   MoE layer needs no combine launch.
 
 More rows (the projections through ``linear``, i.e. cuBLAS): ``swiglu_triton`` (``silu(g) *
 u``) and ``gate_add_triton`` (``routed + sigmoid(logit) * y``), one program per row and column
@@ -32,6 +35,7 @@ import triton
 import triton.language as tl
 
 from epserve.kernels.dispatch import DTYPES, check_devices, interpreted
+from epserve.kernels.triton.fused_moe import combine_pairs_block
 from epserve.kernels.triton.linear import default_gemv_tiles, gemv_block
 
 
@@ -59,10 +63,13 @@ def _gate_up_gate_kernel(x_ptr, wa_ptr, wb_ptr, out_ptr, NA, NB, stride_wa, stri
 
 
 @triton.jit
-def _swiglu_down_kernel(gu_ptr, w_ptr, routed_ptr, out_ptr, N, stride_wn,
-                        I: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+def _swiglu_down_kernel(gu_ptr, w_ptr, routed_ptr, ids_ptr, out_ptr, N, stride_wn, num_local,
+                        expert_offset, I: tl.constexpr, PAIRS: tl.constexpr,
+                        TOP_K: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
     """``out = routed + sigmoid(gu[2I]) * (w @ (silu(gu[:I]) * gu[I:2I]))`` over rows
-    ``[pid * BLOCK_N, +BLOCK_N)``, rounded to out's dtype where the eager ops round."""
+    ``[pid * BLOCK_N, +BLOCK_N)``, rounded to out's dtype where the eager ops round. ``routed``
+    is a row [N], or with PAIRS the token's TOP_K pair rows [TOP_K, N], those whose ``ids``
+    name a local expert summed in float32 and rounded as ``combine_pairs_triton`` stores them."""
     dt = out_ptr.dtype.element_ty
     rows = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     r_ok = rows < N
@@ -80,7 +87,11 @@ def _swiglu_down_kernel(gu_ptr, w_ptr, routed_ptr, out_ptr, N, stride_wn,
     y = tl.sum(acc, axis=1).to(dt).to(tl.float32)
     logit = tl.load(gu_ptr + 2 * I).to(tl.float32)
     gate = (1.0 / (1.0 + tl.exp(-logit))).to(dt).to(tl.float32)  # sigmoid as torch writes it
-    r = tl.load(routed_ptr + rows, mask=r_ok, other=0.0).to(tl.float32)
+    if PAIRS:  # the routed combine, rounded where its launch would store it
+        r = combine_pairs_block(routed_ptr, ids_ptr, 0, rows, N, num_local, expert_offset,
+                                TOP_K).to(dt).to(tl.float32)
+    else:
+        r = tl.load(routed_ptr + rows, mask=r_ok, other=0.0).to(tl.float32)
     out = r + (gate * y).to(dt).to(tl.float32)
     tl.store(out_ptr + rows, out.to(dt), mask=r_ok)
 
@@ -127,6 +138,32 @@ def shared_expert_triton(x: torch.Tensor, routed: torch.Tensor, w_gate_up: torch
     if x.dim() != 2 or x.shape[0] != 1 or routed.shape != x.shape:
         raise ValueError(f"{name}: x {tuple(x.shape)} and routed {tuple(routed.shape)} must "
                          f"be [1, H]")
+    _check_one_row(name, x, routed, w_gate_up, w_down, w_gate)
+    return _one_row(x, routed, None, w_gate_up, w_down, w_gate, 0, 0)
+
+
+def shared_expert_pairs_triton(x: torch.Tensor, y: torch.Tensor, ids: torch.Tensor,
+                               w_gate_up: torch.Tensor, w_down: torch.Tensor,
+                               w_gate: torch.Tensor, expert_offset: int,
+                               num_local: int) -> torch.Tensor:
+    """``shared_expert_triton`` with ``routed`` given as the token's routed pair rows, in the
+    same two launches: y [K, H] contiguous (x's dtype), ids [1, K] int64 or int32; ``routed`` is
+    then ``combine_pairs_triton(y, ids, expert_offset, num_local)``, which the down GEMV's
+    epilogue computes itself (the same float32 sum, rounded to x's dtype). Returns [1, H]."""
+    name = "shared_expert_pairs_triton"
+    k = ids.shape[1] if ids.dim() == 2 else -1
+    if x.dim() != 2 or x.shape[0] != 1 or ids.shape != (1, k) or y.shape != (k, x.shape[1]):
+        raise ValueError(f"{name}: x {tuple(x.shape)}, y {tuple(y.shape)} and ids "
+                         f"{tuple(ids.shape)} must be [1, H], [K, H] and [1, K]")
+    if ids.dtype not in (torch.int64, torch.int32) or not (y.is_contiguous()
+                                                          and ids.is_contiguous()):
+        raise ValueError(f"{name}: y and ids must be contiguous, ids int64 or int32")
+    _check_one_row(name, x, y, w_gate_up, w_down, w_gate, ids)
+    return _one_row(x, y, ids, w_gate_up, w_down, w_gate, expert_offset, num_local)
+
+
+def _check_one_row(name, x, routed, w_gate_up, w_down, w_gate, *others) -> None:
+    """The weights' shapes, one dtype of ``DTYPES``, contiguous last dims, one device."""
     h = x.shape[1]
     i = w_down.shape[1] if w_down.dim() == 2 else -1
     if w_gate_up.shape != (2 * i, h) or w_down.shape != (h, i) or w_gate.shape != (1, h) \
@@ -139,7 +176,13 @@ def shared_expert_triton(x: torch.Tensor, routed: torch.Tensor, w_gate_up: torch
         raise ValueError(f"{name}: dtypes {[t.dtype for t in tensors]} must be one of {DTYPES}")
     if any(t.stride(-1) != 1 for t in tensors):
         raise ValueError(f"{name}: every tensor needs a contiguous last dim")
-    check_devices(name, tensors, INTERPRETED, "epserve.kernels.triton.shared_expert")
+    check_devices(name, tensors + others, INTERPRETED, "epserve.kernels.triton.shared_expert")
+
+
+def _one_row(x, routed, ids, w_gate_up, w_down, w_gate, expert_offset, num_local):
+    """The two launches (checked inputs); ``ids`` None: ``routed`` is the [1, H] row, else the
+    [K, H] pair rows."""
+    h, i = x.shape[1], w_down.shape[1]
     gu = torch.empty((1, 2 * i + 1), dtype=x.dtype, device=x.device)  # [g, u, logit]
     out = torch.empty((1, h), dtype=x.dtype, device=x.device)
     if h == 0:
@@ -150,8 +193,9 @@ def shared_expert_triton(x: torch.Tensor, routed: torch.Tensor, w_gate_up: torch
         K=h, BLOCK_N=bn, BLOCK_K=bk, num_warps=nw, num_stages=ns)
     bn, bk, nw, ns = default_gemv_tiles(h, i, x.element_size())
     _swiglu_down_kernel[(triton.cdiv(h, bn),)](
-        gu, w_down, routed, out, h, w_down.stride(0), I=i, BLOCK_N=bn, BLOCK_K=bk,
-        num_warps=nw, num_stages=ns)
+        gu, w_down, routed, routed if ids is None else ids, out, h, w_down.stride(0), num_local,
+        expert_offset, I=i, PAIRS=ids is not None, TOP_K=0 if ids is None else ids.shape[1],
+        BLOCK_N=bn, BLOCK_K=bk, num_warps=nw, num_stages=ns)
     return out
 
 
