@@ -125,6 +125,31 @@ def fused_moe_pairs(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
     return RoutedPairs(y, ids, expert_offset, w13.shape[0])
 
 
+def token_classes(max_tokens: int, top_k: int, w13: torch.Tensor) -> list[int]:
+    """The smallest token count of each launch class (``launch_class``) that the Triton
+    pipeline has for steps of 1 .. ``max_tokens`` tokens routed to ``top_k`` of ``w13``'s
+    experts ([E, 2I, H]), ascending. A forward at each compiles every kernel variant the
+    routed experts of such a step can launch (the start-up warm-up, ``worker.warmup``).
+    Each class is one run of token counts (tiles and layout rise with the pairs), so each
+    run's end is found by bisection."""
+    from epserve.kernels.triton.fused_moe import launch_class
+
+    e, two_i, h = w13.shape
+
+    def cls(t: int) -> tuple:
+        return launch_class(t * top_k, e, h, two_i // 2, w13.element_size())
+
+    out, t = [], 1
+    while t <= max_tokens:
+        out.append(t)
+        here, lo, hi = cls(t), t, max_tokens  # the last count of t's class
+        while lo < hi:
+            mid = (lo + hi + 1) // 2
+            lo, hi = (mid, hi) if cls(mid) == here else (lo, mid - 1)
+        t = lo + 1
+    return out
+
+
 def _check(name, x, w13, w2, topk_ids, topk_weights) -> None:
     t, h = x.shape
     e, two_i, h13 = w13.shape

@@ -19,7 +19,7 @@ from torch import nn
 
 from epserve.kernels.attention import AttentionMetadata
 from epserve.kernels.linear import linear
-from epserve.kernels.moe import RoutedPairs, fused_moe, fused_moe_pairs
+from epserve.kernels.moe import RoutedPairs, fused_moe, fused_moe_pairs, token_classes
 from epserve.kernels.norm import (fused_add_rms_norm, fused_add_zero_centred_rms_norm, rms_norm,
                                   zero_centred_rms_norm)
 from epserve.kernels.rope import apply_rope, build_rope_cache
@@ -198,6 +198,11 @@ class SparseMoeBlock(nn.Module):
         hidden, residual, topk_ids, topk_weights = self.route_prenorm(x, residual, norm,
                                                                       row_slots)
         return self.run_experts(hidden, topk_ids, topk_weights), residual
+
+    def warmup_token_counts(self, max_tokens: int) -> list[int]:
+        """Step sizes (tokens) whose forwards, together, launch every variant of this block's
+        kernels that a step of up to ``max_tokens`` tokens can (``worker.warmup``)."""
+        return token_classes(max_tokens, self.gate.top_k, self.experts.w13)
 
     def route_prenorm(self, x: torch.Tensor, residual: torch.Tensor, norm: nn.Module,
                       row_slots: torch.Tensor | None = None) -> tuple[torch.Tensor, ...]:

@@ -34,7 +34,7 @@ from epserve.worker.runner_config import (  # noqa: F401 (re-exported)
 )
 from epserve.worker.sampler import launch_sample, prompt_logprobs_rows
 from epserve.worker.step_buffers import StepBuffers
-from epserve.worker.warmup import warm_up_prefill
+from epserve.worker.warmup import warm_up_prefill, warm_up_sampling, warmup_token_counts
 
 log = logging.getLogger(__name__)
 
@@ -103,12 +103,7 @@ class Runner:
             log.info("prefix caching is off: this model keeps recurrent state (gated DeltaNet) "
                      "and no state snapshots at block boundaries")
         if self.device.type == "cuda" and parallel.world_size == 1 and cfg.warmup_tokens > 0:
-            t0 = time.perf_counter()
-            warm_up_prefill(self._forward, self.model.compute_logits, cfg.warmup_tokens,
-                            self.max_model_len, self.block_size, self.device,
-                            self.spare_state_slot)
-            log.info("prefill warm-up (%d tokens) in %.1f s", cfg.warmup_tokens,
-                     time.perf_counter() - t0)
+            self.warm_up()
         self.graphs: DecodeGraphs | None = None
         if self.device.type == "cuda" and not cfg.enforce_eager and parallel.world_size == 1:
             self.graphs = DecodeGraphs(self._forward, self.device, self.block_size,
@@ -125,6 +120,22 @@ class Runner:
                                              self.block_size, self.device, self.max_model_len,
                                              state_pools=self.state_pools, buffers=self.buffers)
         self._ready: torch.Tensor | None = None  # the lookahead's hidden states for this step
+
+    def warm_up(self) -> None:
+        """Compile what steps of up to ``cfg.warmup_tokens`` tokens launch (``worker.warmup``):
+        a prefill forward of each step size class, the largest first, then sampling. Nothing is
+        written to the KV cache. (At start on CUDA with one rank; the decode graphs' capture
+        compiles the decode sizes.)"""
+        t0 = time.perf_counter()
+        sizes = warmup_token_counts(self.model, self.cfg.warmup_tokens)
+        for n in sizes:
+            hidden = warm_up_prefill(self._forward, self.model.compute_logits, n,
+                                     self.max_model_len, self.block_size, self.device,
+                                     self.spare_state_slot)
+            if n == sizes[0]:  # the full step's rows: both kinds of sampled row
+                warm_up_sampling(self.model.compute_logits(hidden[:4]))
+        log.info("warm-up: prefill forwards of %s tokens and sampling in %.1f s", sizes,
+                 time.perf_counter() - t0)
 
     def _mtp_head(self, parallel: ParallelInfo):
         """The checkpoint's MTP head (``mtp_drafts``); ``ValueError`` naming the method when

@@ -200,6 +200,17 @@ def default_tiles(num_pairs: int, num_local: int, h: int, inter: int,
                     stages2=g2[3])
 
 
+def launch_class(num_pairs: int, num_local: int, h: int, inter: int,
+                 elem_bytes: int = 2) -> tuple[MoeTiles, str]:
+    """What ``fused_moe_pairs_triton`` launches for ``num_pairs`` (token, k) pairs without tile
+    overrides: its ``default_tiles`` and its layout, ``"pairs"`` (a block per pair, no
+    layout), ``"kernel"`` (``moe_align``) or ``"torch"`` (``moe_align_torch``). Two pair counts
+    of one class launch the same kernel variants (Triton compiles each class once)."""
+    layout = ("pairs" if num_pairs <= PAIR_BLOCKS_MAX_PAIRS else
+              "kernel" if num_pairs <= ALIGN_IN_KERNEL_MAX_PAIRS else "torch")
+    return default_tiles(num_pairs, num_local, h, inter, elem_bytes), layout
+
+
 def _launch(a, b, c, w, sorted_ids, block_expert, n, kd, num_slots, top_k, up_offset, block_m, *,
             block_n, block_k, warps, stages, a_by_pair, c_by_pair, fuse_silu, mul_weight,
             pair_blocks, expert_offset, num_local):
@@ -293,19 +304,19 @@ def fused_moe_pairs_triton(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
     ids = topk_ids if topk_ids.is_contiguous() else topk_ids.contiguous()
     if t == 0 or top_k == 0 or e == 0:  # nothing to compute: no local pair to read
         return torch.zeros((t * top_k, h), dtype=x.dtype, device=x.device), ids
-    if tiles is None:
-        tiles = default_tiles(t * top_k, e, h, inter, x.element_size())
+    default, layout = launch_class(t * top_k, e, h, inter, x.element_size())
+    tiles = default if tiles is None else tiles
     over = {k: v for k, v in (("block_m", block_m), ("block_n1", block_n), ("block_n2", block_n),
                               ("block_k1", block_k), ("block_k2", block_k)) if v is not None}
     if over:
         tiles = replace(tiles, **over)
     block_m = tiles.block_m
-    pair_blocks = t * top_k <= PAIR_BLOCKS_MAX_PAIRS
+    pair_blocks = layout == "pairs"
     if pair_blocks:  # one block per pair, experts read from topk_ids: no layout to build
         block_expert, sorted_ids = ids.reshape(-1), ids  # sorted_ids: unused
         inter_rows = t * top_k * block_m
     else:  # static-size layout, no host sync (CUDA graphs); blocks with expert -1 exit at once
-        align = moe_align if t * top_k <= ALIGN_IN_KERNEL_MAX_PAIRS else moe_align_torch
+        align = moe_align if layout == "kernel" else moe_align_torch
         sorted_ids, block_expert = align(topk_ids, e, expert_offset, block_m)
         inter_rows = sorted_ids.numel()
     x = x.contiguous() if x.stride(-1) != 1 else x

@@ -63,14 +63,14 @@ def _noise_kernel(key_ptr, h_ptr, g_ptr, V, BLOCK: tl.constexpr):
     tl.store(g_ptr + out, _gumbel(h), mask=valid)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["nb"])
 def _gumbel_argmax_kernel(x_ptr, stride_x, key_ptr, inv_t_ptr, noisy_ptr, thr_ptr, tid_ptr,
-                          ban_ptr, best_ptr, arg_ptr, V, n_tiles,
-                          NB: tl.constexpr, BLOCK: tl.constexpr):
+                          ban_ptr, best_ptr, arg_ptr, V, n_tiles, nb, BLOCK: tl.constexpr):
     """(max, lowest argmax) of ``s + G`` over one BLOCK of one row (see the module docstring).
 
-    NB: banned ids per row (0 = none), -1 padded; checked one id at a time, so only BLOCK-sized
-    values stay live. Lanes past V are -inf and never chosen; a tile whose lanes are all -inf
+    nb: banned ids per row (0 = none), -1 padded; checked one id at a time, so only BLOCK-sized
+    values stay live. A runtime bound, not specialized: every ban count of a step (they vary
+    with each request's stop ids) launches the one compiled variant. Lanes past V are -inf and never chosen; a tile whose lanes are all -inf
     reports its first id (torch.argmax's pick)."""
     row = tl.program_id(0)
     tile = tl.program_id(1)
@@ -78,8 +78,8 @@ def _gumbel_argmax_kernel(x_ptr, stride_x, key_ptr, inv_t_ptr, noisy_ptr, thr_pt
     valid = offs < V
     x = tl.load(x_ptr + row.to(tl.int64) * stride_x + offs, mask=valid, other=float("-inf"))
     s = x.to(tl.float32) * tl.load(inv_t_ptr + row)
-    for j in range(NB):
-        s = tl.where(offs == tl.load(ban_ptr + row * NB + j), float("-inf"), s)
+    for j in range(nb):
+        s = tl.where(offs == tl.load(ban_ptr + row * nb + j), float("-inf"), s)
     thr = tl.load(thr_ptr + row)
     tid = tl.load(tid_ptr + row)
     keep = (s > thr) | ((s == thr) & (offs.to(tl.int64) <= tid))
@@ -127,8 +127,8 @@ def gumbel_argmax_triton(x: torch.Tensor, keys: torch.Tensor, inv_t: torch.Tenso
     _gumbel_argmax_kernel[(r, n_tiles)](
         x, x.stride(0), keys.contiguous(), inv_t.to(torch.float32).contiguous(),
         noisy.to(torch.int32).contiguous(), thr.to(torch.float32).contiguous(),
-        tid.contiguous(), banned.contiguous(), best, arg, v, n_tiles,
-        NB=banned.shape[1], BLOCK=block, num_warps=8 if block >= 2048 else 4,
+        tid.contiguous(), banned.contiguous(), best, arg, v, n_tiles, banned.shape[1],
+        BLOCK=block, num_warps=8 if block >= 2048 else 4,
         enable_fp_fusion=False)
     tile = torch.argmax(best, dim=1, keepdim=True)
     return arg.gather(1, tile).squeeze(1).to(torch.int64).clamp_(0, v - 1)
