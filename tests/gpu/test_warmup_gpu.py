@@ -16,6 +16,8 @@ import subprocess
 import sys
 import textwrap
 
+import pytest
+
 SCRIPT = textwrap.dedent("""
     import json, random, sys
     from triton import knobs
@@ -46,8 +48,18 @@ SCRIPT = textwrap.dedent("""
 """)
 
 
-def test_a_staggered_workload_compiles_no_kernel_after_start(qwen3_ckpt):
-    out = subprocess.run([sys.executable, "-c", SCRIPT, str(qwen3_ckpt)], capture_output=True,
+@pytest.fixture(params=["qwen3_moe", "qwen3_5_moe"])
+def ckpt(request, qwen3_ckpt, tmp_path):
+    """The tiny Qwen3-MoE, and a tiny hybrid (its prefill on fla-core's kernels)."""
+    if request.param == "qwen3_moe":
+        return qwen3_ckpt
+    from tiny_ckpt import make_tiny_checkpoint
+
+    return make_tiny_checkpoint(request.param, tmp_path / request.param)
+
+
+def test_a_staggered_workload_compiles_no_kernel_after_start(ckpt):
+    out = subprocess.run([sys.executable, "-c", SCRIPT, str(ckpt)], capture_output=True,
                          text=True, timeout=600)
     assert out.returncode == 0, out.stderr[-3000:]
     compiled = json.loads(out.stdout.strip().splitlines()[-1])
