@@ -13,8 +13,9 @@ GPU they replay the decode graphs, compiled at start.
 
     python bench/jit_variants.py [--prompts 24] [--budget 256] [--max-tokens 6]
 
-Counted, not timed; a tiny random Qwen3-MoE (dims multiples of 16, as the real shapes', so
-the classes of the shape-derived arguments match theirs).
+Counted, not timed; a tiny random Qwen3-MoE, or with ``--arch qwen3.5`` a Qwen3.5-MoE hybrid (dims
+multiples of 16, as the real shapes', so the classes of the shape-derived arguments match
+theirs; fla-core's prefill kernels, CUDA only, are not seen).
 """
 
 from __future__ import annotations
@@ -39,6 +40,13 @@ TINY = dict(architectures=["Qwen3MoeForCausalLM"], model_type="qwen3_moe", vocab
             num_experts=8, num_experts_per_tok=2, max_position_embeddings=4096,
             rms_norm_eps=1e-6, rope_theta=10000.0, norm_topk_prob=True,
             tie_word_embeddings=False, torch_dtype="bfloat16")
+#: a tiny Qwen3.5-MoE hybrid (3 gated-DeltaNet layers + 1 gated attention, a shared expert)
+HYBRID = dict(TINY, architectures=["Qwen3_5MoeForCausalLM"], model_type="qwen3_5_moe_text",
+              linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=16,
+              linear_value_head_dim=16, linear_conv_kernel_dim=4,
+              shared_expert_intermediate_size=48, num_hidden_layers=4,
+              layer_types=["linear_attention"] * 3 + ["full_attention"])
+ARCHS = {"qwen3": TINY, "qwen3.5": HYBRID}
 LAUNCH_OPTIONS = ("num_warps", "num_stages", "num_ctas", "maxnreg")
 
 
@@ -138,13 +146,13 @@ def _skip_pure_decode(runner, variants: Variants) -> None:
 
 
 def run(prompts: int, budget: int, max_tokens: int, seed: int = 0, experts: int = 8,
-        top_k: int = 2, max_num_seqs: int = 64, max_prompt: int = 90, burst: int = 8
-        ) -> Variants:
+        top_k: int = 2, max_num_seqs: int = 64, max_prompt: int = 90, burst: int = 8,
+        arch: str = "qwen3") -> Variants:
     from epserve import LLM, SamplingParams
 
     folder = Path(tempfile.mkdtemp())
     (folder / "config.json").write_text(json.dumps(
-        dict(TINY, num_experts=experts, num_experts_per_tok=top_k)))
+        dict(ARCHS[arch], num_experts=experts, num_experts_per_tok=top_k)))
     variants = Variants()
     _install(variants)
     llm = LLM(model=str(folder), load_format="dummy", device="cpu", dtype="bfloat16",
@@ -157,11 +165,15 @@ def run(prompts: int, budget: int, max_tokens: int, seed: int = 0, experts: int 
     rng = random.Random(seed)
     work = [{"prompt_token_ids": [rng.randrange(3, 500) for _ in range(rng.randrange(8, max_prompt))]}
             for _ in range(prompts)]
-    # greedy and random rows, some with logprobs, some banning 1-4 stop ids under min_tokens
+    # greedy and random rows, some with logprobs, some banning 1-4 stop ids under min_tokens,
+    # penalties, a logit bias, prompt logprobs
+    extra = [{}, dict(presence_penalty=0.5, repetition_penalty=1.1), dict(logit_bias={5: 2.0}),
+             dict(prompt_logprobs=1), {}]
     params = [SamplingParams(temperature=rng.choice([0.0, 0.8]), max_tokens=max_tokens,
                              ignore_eos=True, seed=i, logprobs=1 if i % 4 == 0 else None,
                              top_p=0.9 if i % 2 else 1.0, min_tokens=2 if i % 3 == 0 else 0,
-                             stop_token_ids=list(range(3, 4 + i % 4)) if i % 3 == 0 else None)
+                             stop_token_ids=list(range(3, 4 + i % 4)) if i % 3 == 0 else None,
+                             **extra[i % len(extra)])
               for i in range(prompts)]
     # requests arrive as over HTTP: a burst, then one every step, so steps mix decode rows
     # with prompt chunks of every size (an offline batch would give full chunks only)
@@ -204,6 +216,7 @@ def _differs(start: list[tuple], fresh: list[tuple]) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--arch", choices=sorted(ARCHS), default="qwen3")
     ap.add_argument("--prompts", type=int, default=24)
     ap.add_argument("--budget", type=int, default=256, help="max_num_batched_tokens")
     ap.add_argument("--max-tokens", type=int, default=6)
@@ -215,7 +228,7 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
     report(run(args.prompts, args.budget, args.max_tokens, experts=args.experts,
                top_k=args.top_k, max_num_seqs=args.max_num_seqs, max_prompt=args.max_prompt,
-               burst=args.burst))
+               burst=args.burst, arch=args.arch))
     return 0
 
 
