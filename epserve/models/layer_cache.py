@@ -65,7 +65,6 @@ class StateCacheSpec:
 LayerCacheSpec = KvCacheSpec | StateCacheSpec
 
 
-
 def allocate_states(specs: list[StateCacheSpec], num_slots: int, device: torch.device | str
                     ) -> tuple[list[tuple[torch.Tensor, torch.Tensor]], list[torch.Tensor]]:
     """Zeroed states of ``num_slots`` slots for each of ``specs`` (in order), layers of equal
