@@ -163,7 +163,8 @@ def run(prompts: int, budget: int, max_tokens: int, seed: int = 0, experts: int 
     variants.phase = "workload"
     _skip_pure_decode(llm.model.runner, variants)
     rng = random.Random(seed)
-    work = [{"prompt_token_ids": [rng.randrange(3, 500) for _ in range(rng.randrange(8, max_prompt))]}
+    work = [{"prompt_token_ids": [rng.randrange(3, 500)
+                                  for _ in range(rng.randrange(8, max_prompt))]}
             for _ in range(prompts)]
     # greedy and random rows, some with logprobs, some banning 1-4 stop ids under min_tokens,
     # penalties, a logit bias, prompt logprobs

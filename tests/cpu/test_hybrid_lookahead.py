@@ -1,8 +1,8 @@
 """Decode lookahead on a gated-DeltaNet hybrid (``decode_lookahead=True``; on by default
-wherever decode graphs are, as for every model): the queued forward advances each row's recurrent state in
-place, so the rows' states are copied aside first and copied back when the forward is dropped.
-Every test generates the same requests with the lookahead off and on: token for token the
-same, with forwards taken (hits) and dropped (rows that stopped early, requests that arrived
+wherever decode graphs are, as for every model): the queued forward advances each row's
+recurrent state in place, so the rows' states are copied aside first and copied back when
+the forward is dropped. Every test generates the same requests with the lookahead off and on:
+token for token the same, with forwards taken (hits) and dropped (rows that stopped early, requests that arrived
 mid-decode: the states went back), and none queued for steps of more rows than it copies."""
 
 from __future__ import annotations

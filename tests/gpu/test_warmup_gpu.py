@@ -37,7 +37,8 @@ SCRIPT = textwrap.dedent("""
     for i in range(n + 8):
         if i < n:
             temp = rng.choice([0.0, 0.7])
-            engine.add_request(f"r{i}", [rng.randrange(3, 300) for _ in range(rng.randrange(2, 200))],
+            prompt = [rng.randrange(3, 300) for _ in range(rng.randrange(2, 200))]
+            engine.add_request(f"r{i}", prompt,
                                SamplingParams(temperature=temp, top_p=0.9 if temp else 1.0,
                                               logprobs=1 if i % 3 == 0 else None, max_tokens=6,
                                               ignore_eos=True, seed=i))

@@ -70,8 +70,9 @@ def _gumbel_argmax_kernel(x_ptr, stride_x, key_ptr, inv_t_ptr, noisy_ptr, thr_pt
 
     nb: banned ids per row (0 = none), -1 padded; checked one id at a time, so only BLOCK-sized
     values stay live. A runtime bound, not specialized: every ban count of a step (they vary
-    with each request's stop ids) launches the one compiled variant. Lanes past V are -inf and never chosen; a tile whose lanes are all -inf
-    reports its first id (torch.argmax's pick)."""
+    with each request's stop ids) launches the one compiled variant. Lanes past V are -inf
+    and never chosen; a tile whose lanes are all -inf reports its first id (torch.argmax's
+    pick)."""
     row = tl.program_id(0)
     tile = tl.program_id(1)
     offs = tile * BLOCK + tl.arange(0, BLOCK)
