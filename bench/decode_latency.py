@@ -108,8 +108,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--with-transformers", action="store_true")
     ap.add_argument("--repeats", type=int, default=3, help="generates per batch size")
     ap.add_argument("--decode-lookahead", choices=["on", "off"],
-                    help="force the decode lookahead (default: the engine's choice; off for "
-                    "models with recurrent state)")
+                    help="force the decode lookahead (default: the engine's choice, on with "
+                    "decode graphs; with recurrent state for steps of up to 4 rows)")
     args = ap.parse_args(argv)
     cfg = shape(args.model_shape, args.layers)
     hf_ms = transformers_step_ms(cfg, args.steps) if args.with_transformers else None
