@@ -137,7 +137,16 @@ class AsyncEngine:
         self.steps = 0
         self._log = LoopLog(log_every_s)
         self._snapshot = engine_snapshot(engine, None, 0)
+        self._watch_arrivals(engine)
         self._thread = self._start_thread()
+
+    def _watch_arrivals(self, engine: Engine) -> None:
+        """Tell the model's decode lookahead (one rank) when the next step will take new rows:
+        a submission or an abort waits in the inbox, so a forward queued ahead would be dropped
+        (``worker.lookahead``)."""
+        ahead = getattr(engine.model, "lookahead", None)
+        if ahead is not None:
+            ahead.arrivals = self._inbox.__len__
 
     def _start_thread(self) -> threading.Thread:
         t = threading.Thread(target=self._loop, name="epserve-engine", daemon=True)
@@ -269,6 +278,7 @@ class AsyncEngine:
             self._deliver(old.fail_all("an expert-parallel rank failed during this request"))
             self._thread = self._start_thread()
         self.engine = engine
+        self._watch_arrivals(engine)
         self.failure = None
         self._suspended = None
         self._snapshot = engine_snapshot(engine, None, self.steps)

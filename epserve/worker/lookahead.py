@@ -10,6 +10,11 @@ hidden states to the next step only when the step is exactly it: the same sequen
 order, fed the tokens just sampled, each at the position and KV block the forward used. Any other
 step discards it and runs as usual; a miss costs one forward of GPU time, never a wrong token.
 
+A step that will not be it is known sometimes before the forward is queued: a request arrived
+(or an abort came) while this step ran, so the next step takes new rows. ``arrivals`` (set by
+whoever feeds the engine, e.g. ``head.async_engine``) says so; then nothing is queued, since the
+forward would be dropped and the next step would wait behind it on the stream.
+
 Invariants: a lookahead forward writes KV only at each row's next position, in a block its
 slot already holds (the step model ships that block with a step it marks ``ahead``; without it
 nothing is queued). That position is beyond the sequence's valid KV, so if the head finishes,
@@ -69,7 +74,9 @@ class DecodeLookahead:
         self.buffers = buffers  # the Runner's step-input ring (the queued step's inputs)
         self.block_size, self.device, self.max_model_len = block_size, device, max_model_len
         self._ahead: _Ahead | None = None
-        self.launched = self.hits = self.restored = 0
+        self.launched = self.hits = self.restored = self.held_back = 0
+        #: True when the next step will take new rows (requests arrived meanwhile): no launch
+        self.arrivals: Callable[[], bool] | None = None
         self.state_pools = state_pools or []
         self.max_state_rows = max_state_rows
         # the rows' states before the queued forward: room for max_state_rows slots of each
@@ -91,6 +98,9 @@ class DecodeLookahead:
         if self.graphs is not None and not self.graphs.covers_rows(n):
             return False
         if self.state_pools and n > self.max_state_rows:
+            return False
+        if self.arrivals is not None and self.arrivals():  # the next step takes new rows
+            self.held_back += 1
             return False
         nxt = rows.decode_pos + 1
         if int(nxt.max()) >= self.max_model_len or (nxt // self.block_size >= nblocks).any():
