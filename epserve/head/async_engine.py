@@ -141,9 +141,8 @@ class AsyncEngine:
         self._thread = self._start_thread()
 
     def _watch_arrivals(self, engine: Engine) -> None:
-        """Tell the model's decode lookahead (one rank) when the next step will take new rows:
-        a submission or an abort waits in the inbox, so a forward queued ahead would be dropped
-        (``worker.lookahead``)."""
+        """Tell the model's decode lookahead (one rank) when a submission or an abort waits in
+        the inbox: the next step takes new rows, a forward queued ahead would be dropped."""
         ahead = getattr(engine.model, "lookahead", None)
         if ahead is not None:
             ahead.arrivals = self._inbox.__len__
