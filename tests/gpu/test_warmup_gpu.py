@@ -24,7 +24,7 @@ SCRIPT = textwrap.dedent("""
     from epserve import LLM, SamplingParams
 
     llm = LLM(model=sys.argv[1], dtype="bfloat16", max_num_batched_tokens=256, max_num_seqs=32,
-              max_model_len=512, gpu_memory_utilization=0.3)
+              max_model_len=512, num_kv_blocks=256)
     compiled = []
 
     def hook(*args, **kwargs):

@@ -7,7 +7,9 @@ below C, which are conv channels: the projection rounded to its dtype (what ``li
 returns) is the conv's input, read with the channel's last K - 1 inputs from the sequence's
 slot (zeros when fresh: nothing read), the window shifted and stored back, SiLU applied, as
 ``causal_conv_update``'s kernel does; rows from C on are stored as projected. A channel
-belongs to one program, so its state is read and written by one thread: no race.
+belongs to one program, but its value is replicated across that program's threads (the
+GEMV's reduced layout), so the window is read whole, then moved, with a barrier between
+every read and the store that overwrites it (without them fp32's tiles read moved columns).
 
 ``_gated_norm_out_kernel``: the output projection's GEMV over K = Hv Dv walked HB value heads
 at a time (a [BLOCK_N, HB, Dv] weight tile); its prologue forms each head's gated norm
@@ -47,12 +49,18 @@ def _in_proj_conv_kernel(x_ptr, w_ptr, cw_ptr, pool_ptr, slot_ptr, fresh_ptr, ou
     live_c = tl.where(tl.load(fresh_ptr) != 0, 0, C)  # a fresh sequence's past is zeros
     state = pool_ptr + slot * stride_pn + rows.to(tl.int64) * stride_pc
     cw_row = cw_ptr + rows * stride_cw
+    live = conv & (rows < live_c)
     cacc = tl.load(cw_row + (KW - 1), mask=conv, other=0.0).to(tl.float32) * y.to(tl.float32)
     for j in tl.static_range(KW - 1):
-        past = tl.load(state + j * stride_pk, mask=conv & (rows < live_c), other=0.0)
+        past = tl.load(state + j * stride_pk, mask=live, other=0.0)
         cacc += tl.load(cw_row + j, mask=conv, other=0.0).to(tl.float32) * past.to(tl.float32)
-        if j > 0:  # the window moves on: column j becomes column j - 1
-            tl.store(state + (j - 1) * stride_pk, past, mask=conv)
+    # A row's value lives in several threads (the GEMV's reduced layout replicates it) and
+    # one of them stores: every thread's reads of the window end before any of it moves.
+    tl.debug_barrier()
+    for j in tl.static_range(1, KW - 1):  # the window moves on: column j becomes column j - 1
+        past = tl.load(state + j * stride_pk, mask=live, other=0.0)
+        tl.debug_barrier()  # column j is read everywhere before column j + 1 lands on it
+        tl.store(state + (j - 1) * stride_pk, past, mask=conv)
     tl.store(state + (KW - 2) * stride_pk, y.to(pool_ptr.dtype.element_ty), mask=conv)
     cacc = cacc * tl.sigmoid(cacc)
     out = tl.where(rows < C, cacc.to(out_ptr.dtype.element_ty), y)
