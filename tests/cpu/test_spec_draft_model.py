@@ -108,9 +108,11 @@ def test_any_draft_leaves_the_output_unchanged(qwen3_ckpt, other_draft, plain_ru
     assert st.num_drafts > 0 and st.num_accepted_tokens < st.num_draft_tokens
     own = _llm(qwen3_ckpt, draft=qwen3_ckpt, k=4)  # runs of 5 accepted tokens:
     stop = want[-1].outputs[0].token_ids[6]  # max_tokens and stops land inside them
-    for sp in [SamplingParams(temperature=0.0, max_tokens=m, ignore_eos=True) for m in (2, 7)] + [
-            SamplingParams(temperature=0.0, max_tokens=30, stop_token_ids=[stop])]:
-        _same(base.generate(_reqs(), sp), own.generate(_reqs(), sp))
+    params = [SamplingParams(temperature=0.0, max_tokens=m, ignore_eos=True) for m in (2, 7)] + [
+        SamplingParams(temperature=0.0, max_tokens=30, stop_token_ids=[stop])]
+    reqs = [r for _ in params for r in _reqs()]  # one batch: each prompt under each ending
+    sps = [sp for sp in params for _ in _reqs()]
+    _same(base.generate(reqs, sps), own.generate(reqs, sps))
 
 
 def test_a_draft_that_cannot_serve_the_target_is_refused(qwen3_ckpt, tmp_path):
