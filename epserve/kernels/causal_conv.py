@@ -16,6 +16,10 @@ all name one spare slot, which they may overwrite). Where it runs:
 - a decode step (one token per sequence) where ``dispatch.use_triton`` says so:
   ``epserve.kernels.triton.causal_conv_update``, one launch reading and writing the pool
   through ``slots`` (CUDA-graph capturable: nothing read from the host);
+- a short step (``dispatch.short_step``: at most ``MAX_SHORT_TOKENS`` tokens a sequence, a
+  speculative verify's k + 1 or a fold's accepted prefix) where ``use_triton`` says so: the same
+  module's varlen kernel, one launch, its offsets and hold mask on the device from one copy the
+  step's layers share (``dispatch.varlen_tensors``; fla's chunked conv syncs with the host);
 - any other step on CUDA with fla-core installed: fla's ``causal_conv1d`` (its states are
   ``[N, C, K]`` with the last K - 1 columns ours: converted at the boundary), the states
   gathered and scattered;
@@ -31,7 +35,7 @@ import torch.nn.functional as F
 
 from epserve.kernels.dispatch import (DTYPES, MAX_CONV_WIDTH, check_hold, check_state_step,
                                       fla_function, fla_offsets, gather_states, scatter_states,
-                                      use_triton)
+                                      short_step, use_triton, varlen_tensors)
 
 
 def causal_conv1d_ref(x: torch.Tensor, weight: torch.Tensor, state: torch.Tensor,
@@ -82,6 +86,12 @@ def causal_conv_step(x: torch.Tensor, weight: torch.Tensor, state_pool: torch.Te
         from epserve.kernels.triton.causal_conv_update import causal_conv_update_triton
 
         return causal_conv_update_triton(x, weight, state_pool, slots, fresh)
+    if not decode and short_step(cu_seqlens) and cu_seqlens[-1] == x.shape[0] and \
+            _update_kernel_covers(x, weight, state_pool):
+        from epserve.kernels.triton.causal_conv_update import causal_conv_varlen_triton
+
+        return causal_conv_varlen_triton(x, weight, state_pool, slots, fresh,
+                                         *varlen_tensors(cu_seqlens, hold, x.device))
     fla_conv = fla_function(x, "fla.modules.causal_conv1d", "causal_conv1d")
     if fla_conv is not None and x.dtype in DTYPES and kw >= 2:
         return _conv_fla(fla_conv, x, weight, state_pool, slots, fresh, cu_seqlens, hold)
@@ -91,7 +101,7 @@ def causal_conv_step(x: torch.Tensor, weight: torch.Tensor, state_pool: torch.Te
 
 
 def _update_kernel_covers(x: torch.Tensor, weight: torch.Tensor, pool: torch.Tensor) -> bool:
-    """``use_triton`` and the dtypes, widths and layouts the decode kernel takes."""
+    """``use_triton`` and the dtypes, widths and layouts the Triton kernels take."""
     if any(t.dtype not in DTYPES for t in (x, weight, pool)) or x.stride(-1) != 1 or \
             weight.stride(-1) != 1 or not 2 <= weight.shape[1] <= MAX_CONV_WIDTH:
         return False

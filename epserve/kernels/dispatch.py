@@ -11,7 +11,8 @@ package but this module (and sibling Triton modules), so imports run op -> Trito
 the kernels' limits the entries read before importing triton, the argument checks both raise
 from (``ValueError`` naming the caller and the offending tensor), and the constants of the
 sampling noise hash; the per-slot state helpers of the gated-DeltaNet ops (``gather_states``,
-``check_state_step``). Nothing here imports triton at module level or reads device memory.
+``check_state_step``) and what their varlen kernels take for a short step (``short_step``,
+``varlen_tensors``). Nothing here imports triton at module level or reads device memory.
 
 ``fla_function`` is the other decision: fla-core's kernels (the gated-DeltaNet prefill), an
 optional extra imported lazily, only for CUDA tensors outside the interpreter.
@@ -41,6 +42,8 @@ MAX_FUSED_TOKENS = 64
 MAX_DELTA_DK = 256
 #: Conv widths the causal-conv update kernel takes (the window is unrolled).
 MAX_CONV_WIDTH = 8
+#: Most tokens a sequence has in a short step: a speculative verify's k + 1 or a fold's prefix.
+MAX_SHORT_TOKENS = 16
 
 #: The sampling noise hash (``sampling_noise``'s definition, the kernel's bits): 32-bit mask and
 #: the two odd multipliers of ``mix32``, each below 2**31 so int64 products are exact.
@@ -107,6 +110,36 @@ def fla_offsets(cu_seqlens, device: torch.device) -> tuple[torch.Tensor, torch.T
     cpu = torch.tensor(cu_seqlens, dtype=torch.int64)
     c[:] = [cu_seqlens if isinstance(cu_seqlens, tuple) else None, cpu.to(device), cpu]
     return c[1], c[2]
+
+
+def short_step(cu_seqlens: Sequence[int]) -> bool:
+    """Whether a step's host offsets (from 0, non-decreasing) give each sequence at most
+    ``MAX_SHORT_TOKENS`` tokens: a step for the gated-DeltaNet ops' varlen kernels."""
+    return len(cu_seqlens) > 0 and cu_seqlens[0] == 0 and all(
+        0 <= b - a <= MAX_SHORT_TOKENS for a, b in zip(cu_seqlens, cu_seqlens[1:]))
+
+
+_VARLEN: list = [None, None]  # the last short step's (offsets, hold, device), and its tensors
+
+
+def varlen_tensors(cu_seqlens: Sequence[int], hold: Sequence[int],
+                   device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """A short step's offsets as int32 [S + 1] and its hold mask [S] bool (True: the sequence's
+    new state is not written back; ``hold``: host indices) on ``device``, in one host-to-device
+    copy. A step's layers and ops pass the same offsets and holds: they share the last pair
+    (read only)."""
+    key = (tuple(cu_seqlens), tuple(hold), device)
+    if _VARLEN[0] != key:
+        s = len(cu_seqlens) - 1
+        mask = torch.zeros(s, dtype=torch.bool)
+        if hold:
+            mask[list(hold)] = True
+        host = torch.cat([torch.tensor(cu_seqlens, dtype=torch.int32).view(torch.uint8),
+                          mask.view(torch.uint8)])
+        dev = host.to(device)
+        cut = 4 * (s + 1)  # the offsets' bytes
+        _VARLEN[:] = [key, (dev[:cut].view(torch.int32), dev[cut:].view(torch.bool))]
+    return _VARLEN[1]
 
 
 def gather_states(pool: torch.Tensor, slots: torch.Tensor, fresh: torch.Tensor) -> torch.Tensor:
