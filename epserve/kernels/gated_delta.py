@@ -27,6 +27,9 @@ recurrent cache, float32): sequence s continues from ``state_pool[slots[s]]`` (z
 - a decode step (one token per sequence) where ``dispatch.use_triton`` says so:
   ``epserve.kernels.triton.gated_delta_decode``, one launch reading and writing the pool
   through ``slots`` (CUDA-graph capturable: nothing read from the host);
+- a step of a few tokens a sequence (``dispatch.short_step``: a speculative verify's k + 1, a
+  fold's accepted prefix) where the decode kernel would run: its varlen form, one launch, each
+  program walking its sequence's rows (held sequences' slots not written);
 - any other step on CUDA with fla-core installed: fla's ``chunk_gated_delta_rule`` (varlen,
   q/k normalised in its kernel; same state layout), the states gathered and scattered;
 - otherwise (CPU, or no fla) ``recurrent_ref`` for a decode step, else ``chunked_ref``,
@@ -47,7 +50,7 @@ import torch.nn.functional as F
 
 from epserve.kernels.dispatch import (DTYPES, MAX_DELTA_DK, check_hold, check_state_step,
                                       fla_function, fla_offsets, gather_states, scatter_states,
-                                      use_triton)
+                                      short_step, use_triton, varlen_tensors)
 
 
 def _prepare(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, qk_l2norm: bool,
@@ -160,6 +163,11 @@ def gated_delta_step(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch
         from epserve.kernels.triton.gated_delta_decode import gated_delta_decode_triton
 
         return gated_delta_decode_triton(q, k, v, g, beta, state_pool, slots, fresh)
+    if short_step(cu_seqlens) and _decode_kernel_covers(q, k, v, g, beta, state_pool):
+        from epserve.kernels.triton.gated_delta_decode import gated_delta_varlen_triton
+
+        return gated_delta_varlen_triton(q, k, v, g, beta, state_pool, slots, fresh,
+                                         *varlen_tensors(cu_seqlens, hold, v.device))
     chunk = fla_function(v, "fla.ops.gated_delta_rule", "chunk_gated_delta_rule")
     if chunk is not None and _fla_covers(q, k, v, state_pool):
         return _rule_fla(chunk, q, k, v, g, beta, state_pool, slots, fresh, cu_seqlens, hold)

@@ -119,6 +119,51 @@ def test_decode_kernel_matches_ref(hk, hv, dk, dv, dtype, interpret):
     _check(o, want_o, pool, want_pool, dtype)
 
 
+def _varlen_case(lens, dtype, seed, hk=1, hv=2, dk=12, dv=20):
+    """Sequences of ``lens`` tokens at shuffled slots (the second fresh), their rows packed."""
+    q, k, v, g, beta, gen = _inputs(sum(lens), hk, hv, dk, dv, dtype, seed)
+    pool = torch.randn(len(lens) + 3, hv, dk, dv, generator=gen) * 0.3
+    slots = torch.randperm(len(lens) + 2, generator=gen)[:len(lens)] + 1
+    fresh = torch.zeros(len(lens), dtype=torch.bool)
+    fresh[1] = True
+    cu = [0]
+    for n in lens:
+        cu.append(cu[-1] + n)
+    return (q, k, v, g, beta), pool, slots, fresh, cu
+
+
+@needs_triton
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_varlen_kernel_runs_each_sequences_rows_in_order_and_holds(dtype, interpret):
+    """A verify's shape: sequences of 1 to 5 rows in one launch; the held ones' slots keep
+    the state before the step, the others' take the reference's after their rows."""
+    lens, held = (3, 1, 5, 2, 4), [0, 3]
+    args, pool, slots, fresh, cu = _varlen_case(lens, dtype, seed=11)
+    want_o, want_pool = _want(args, pool, slots, fresh, cu)
+    want_pool[slots[held]] = pool[slots[held]]
+    hold = torch.zeros(len(lens), dtype=torch.bool)
+    hold[held] = True
+    o = gdd.gated_delta_varlen_triton(*args, pool, slots, fresh, torch.tensor(cu), hold)
+    _check(o, want_o, pool, want_pool, dtype)
+
+
+def test_a_short_step_takes_the_varlen_kernel_and_holds(path, monkeypatch):
+    """``gated_delta_step`` on a verify-shaped step (a few rows a sequence, some held): the
+    reference's outputs and states on either path; on the interpreter path no chunked rule
+    runs (the varlen kernel does)."""
+    import epserve.kernels.gated_delta as gd
+
+    lens, held = (4, 2, 3), (2,)
+    args, pool, slots, fresh, cu = _varlen_case(lens, torch.float32, seed=12, hk=2, hv=4,
+                                                dk=8, dv=6)
+    want_o, want_pool = _want(args, pool, slots, fresh, cu, rule=chunked_ref)
+    want_pool[slots[list(held)]] = pool[slots[list(held)]]
+    if path == "interpreter":
+        monkeypatch.setattr(gd, "chunked_ref", None)  # the kernel, or this fails
+    o = gated_delta_step(*args, pool, slots, fresh, tuple(cu), decode=False, hold=held)
+    _check(o, want_o, pool, want_pool, torch.float32)
+
+
 @needs_triton
 def test_decode_kernel_errors(interpret):
     (q, k, v, g, beta), pool, slots, fresh = _decode_case(3, 1, 2, 8, 4, torch.float32, seed=3)
@@ -138,6 +183,12 @@ def test_decode_kernel_errors(interpret):
     empty = gdd.gated_delta_decode_triton(q[:0], k[:0], v[:0], g[:0], beta[:0], pool,
                                           slots[:0], fresh[:0])
     assert empty.shape == (0, 2, 4)
+    with pytest.raises(ValueError, match="cu"):
+        gdd.gated_delta_varlen_triton(q, k, v, g, beta, pool, slots, fresh, torch.tensor([0, 3]),
+                                      torch.zeros(3, dtype=torch.bool))
+    with pytest.raises(ValueError, match="hold"):
+        gdd.gated_delta_varlen_triton(q, k, v, g, beta, pool, slots, fresh,
+                                      torch.tensor([0, 1, 2, 3]), torch.zeros(3))
 
 
 def test_step_errors():

@@ -1,0 +1,109 @@
+"""The DeltaNet ops' varlen kernels on CUDA (a speculative verify's k + 1 tokens a sequence, a
+fold's accepted prefix), at the Qwen3.5-35B-A3B shapes (16 key heads, 32 value heads, Dk = Dv =
+128; 8,192 conv channels of width 4), against the torch references over the gathered states:
+outputs and the written slots, held sequences' slots untouched, fp32 and bf16. And the cost
+that made them: a verify-shaped step through ``gated_delta_step`` / ``causal_conv_step``
+(4 sequences of 4 tokens, held), microseconds per call, printed, against the chunked fla
+path it replaced (session 16: a whole verify step cost ~150 ms on that path)."""
+
+from __future__ import annotations
+
+import importlib.util
+import time
+
+import pytest
+import torch
+
+pytestmark = [
+    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA"),
+    pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="needs triton"),
+]
+
+HK, HV, DK, DV, C, KW = 16, 32, 128, 128, 8192, 4
+LENS, HELD = (4, 1, 3, 4), [0, 3]
+
+
+def _case(dtype, seed):
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    t, s = sum(LENS), len(LENS)
+    q = torch.randn(t, HK, DK, device="cuda", generator=g).to(dtype)
+    k = torch.randn(t, HK, DK, device="cuda", generator=g).to(dtype)
+    v = torch.randn(t, HV, DV, device="cuda", generator=g).to(dtype)
+    gate = -torch.rand(t, HV, device="cuda", generator=g) * 2
+    beta = torch.rand(t, HV, device="cuda", generator=g).to(dtype)
+    pool = torch.randn(s + 3, HV, DK, DV, device="cuda", generator=g) * 0.2
+    x = torch.randn(t, C, device="cuda", generator=g).to(dtype)
+    w = torch.randn(C, KW, device="cuda", generator=g).to(dtype)
+    conv_pool = torch.randn(s + 3, C, KW - 1, device="cuda", generator=g).to(dtype)
+    slots = torch.randperm(s + 2, device="cuda", generator=g)[:s] + 1
+    fresh = torch.tensor([False, True, False, False], device="cuda")
+    cu = [0]
+    for n in LENS:
+        cu.append(cu[-1] + n)
+    return (q, k, v, gate, beta), pool, (x, w), conv_pool, slots, fresh, cu
+
+
+def _want(ref, args, pool, slots, fresh, cu):
+    start = pool[slots].clone()
+    start[fresh] = 0
+    out, new = ref(*args, start, cu)
+    want = pool.clone()
+    keep = [i for i in range(len(LENS)) if i not in HELD]
+    want[slots[keep]] = new[keep].to(pool.dtype)
+    return out, want
+
+
+def _rel(got, ref):
+    return ((got.float() - ref.float()).abs().max() / ref.float().abs().max()).item()
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_varlen_rule_and_conv_match_the_references(dtype):
+    from epserve.kernels.causal_conv import causal_conv1d_ref
+    from epserve.kernels.dispatch import varlen_tensors
+    from epserve.kernels.gated_delta import recurrent_ref
+    from epserve.kernels.triton.causal_conv_update import causal_conv_varlen_triton
+    from epserve.kernels.triton.gated_delta_decode import gated_delta_varlen_triton
+
+    args, pool, (x, w), conv_pool, slots, fresh, cu = _case(dtype, seed=3)
+    cu_t, hold = varlen_tensors(cu, HELD, x.device)
+    want_o, want_pool = _want(recurrent_ref, args, pool, slots, fresh, cu)
+    o = gated_delta_varlen_triton(*args, pool, slots, fresh, cu_t, hold)
+    tol = 1e-5 if dtype == torch.float32 else 1e-2
+    assert _rel(o, want_o) < tol and _rel(pool, want_pool) < 1e-5
+    assert torch.equal(pool[slots[HELD]], want_pool[slots[HELD]])
+    want_y, want_conv = _want(causal_conv1d_ref, (x, w), conv_pool, slots, fresh, cu)
+    y = causal_conv_varlen_triton(x, w, conv_pool, slots, fresh, cu_t, hold)
+    assert _rel(y, want_y) < tol
+    assert torch.equal(conv_pool, want_conv)  # stored inputs: copied, not computed
+
+
+def _us(fn, n=50) -> float:
+    fn()
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    for _ in range(n):
+        fn()
+    torch.cuda.synchronize()
+    return (time.perf_counter() - t0) / n * 1e6
+
+
+def test_a_verify_shaped_step_timing():
+    """Eager calls of the entries on a verify's shape (held sequences), printed against fla's
+    chunked kernels on the same step where fla-core is installed."""
+    import epserve.kernels.dispatch as dispatch
+    from epserve.kernels.causal_conv import causal_conv_step
+    from epserve.kernels.gated_delta import gated_delta_step
+
+    args, pool, (x, w), conv_pool, slots, fresh, cu = _case(torch.bfloat16, seed=4)
+    step = lambda: (causal_conv_step(x, w, conv_pool, slots, fresh, tuple(cu), False, HELD),  # noqa: E731
+                    gated_delta_step(*args, pool, slots, fresh, tuple(cu), False, HELD))
+    varlen = _us(step)
+    short, dispatch.MAX_SHORT_TOKENS = dispatch.MAX_SHORT_TOKENS, 0  # every step "long"
+    try:
+        chunked = _us(step) if importlib.util.find_spec("fla") else float("nan")
+    finally:
+        dispatch.MAX_SHORT_TOKENS = short
+    print(f"\nverify-shaped conv + rule, {len(LENS)} sequences of <= 4 tokens: varlen kernels "
+          f"{varlen:.1f} us a call, fla's chunked path {chunked:.1f} us")
+    assert varlen < 200
