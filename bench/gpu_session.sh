@@ -61,9 +61,10 @@ fi
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
   --target /tmp/site .whl/*.whl || exit
 export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1
-# touched in sessions 11-15 (session 15: the start-up warm-up, the combine in the shared
-# expert, the hybrid lookahead on by default; session 14's step-input ring and repeated rows touch every forward:
-# run tests-rest too, ~2 min)
+# touched in sessions 11-16 (session 16: the DeltaNet ops' varlen kernels for verify, fold and
+# short prompts, the lookahead's strided state copies; session 15: the start-up warm-up, the
+# combine in the shared expert, the hybrid lookahead on by default; session 14's step-input
+# ring and repeated rows touch every forward: run tests-rest too, ~2 min)
 NEW="hybrid or gated_delta or structured or spec_decode or norm or rope or penalties or sampling or warmup"
 case "$stage" in
   tests)

@@ -26,8 +26,8 @@ be their last. Sampling never runs ahead: a step's tokens are drawn from its own
 A model with recurrent state (gated DeltaNet) advances each row's state in place, which a
 discarded forward must not leave behind: with ``state_pools`` (the runner's state tensors,
 ``[L, N, ...]`` with every layer's slots on dim 1, ``models.layer_cache.allocate_states``) the
-rows' states are copied aside before the forward is queued, one launch per tensor, and copied
-back when it is dropped (``take`` misses, ``discard``); so only steps of at most
+rows' states are copied aside before the forward is queued, one strided copy per row and
+tensor, and copied back when it is dropped (``take`` misses, ``discard``); so only steps of at most
 ``max_state_rows`` rows run ahead (the copy reads and writes each row's whole state: at the
 Qwen3.5-35B-A3B shape 63 MB a row, ~30 us of HBM time against the ~0.6 ms of host work a step
 it hides).
@@ -84,7 +84,7 @@ class DecodeLookahead:
         # their slots
         self._saved = [torch.empty(p[:, :max_state_rows].numel(), dtype=p.dtype,
                                    device=p.device) for p in self.state_pools]
-        self._saved_slots: torch.Tensor | None = None
+        self._saved_slots: list[int] | None = None
 
     def launch(self, rows: RankRows, nblocks: np.ndarray, pending: PendingSample) -> bool:
         """Queue the next decode forward of ``rows``' slots fed ``pending.tokens`` (one per
@@ -148,9 +148,11 @@ class DecodeLookahead:
         """Drop the queued forward; the states it advanced go back to what they were."""
         self._ahead = None
         if self._saved_slots is not None:
-            idx, self._saved_slots = self._saved_slots, None
+            slots, self._saved_slots = self._saved_slots, None
             for pool, saved in zip(self.state_pools, self._saved):
-                pool.index_copy_(1, idx, self._rows(pool, saved, len(idx)))
+                rows = self._rows(pool, saved, len(slots))
+                for i, slot in enumerate(slots):
+                    pool[:, slot].copy_(rows[:, i])
             self.restored += 1
 
     @staticmethod
@@ -160,8 +162,11 @@ class DecodeLookahead:
 
     def _save(self, slots: np.ndarray) -> None:
         """Copy the rows' states aside (on the stream, before the forward that advances
-        them)."""
-        idx = torch.as_tensor(slots, dtype=torch.int64).to(self.device, non_blocking=True)
+        them): per row a strided copy of its ``[L, ...]`` (the slots are host ints, so no
+        index tensor crosses to the device and no gather kernel does index arithmetic per
+        element; at one row that is one launch per tensor, as before)."""
+        self._saved_slots = [int(x) for x in slots]
         for pool, saved in zip(self.state_pools, self._saved):
-            torch.index_select(pool, 1, idx, out=self._rows(pool, saved, len(slots)))
-        self._saved_slots = idx
+            rows = self._rows(pool, saved, len(slots))
+            for i, slot in enumerate(self._saved_slots):
+                rows[:, i].copy_(pool[:, slot])
