@@ -3,16 +3,17 @@ fold's accepted prefix), at the Qwen3.5-35B-A3B shapes (16 key heads, 32 value h
 128; 8,192 conv channels of width 4), against the torch references over the gathered states:
 outputs and the written slots, held sequences' slots untouched, fp32 and bf16. And the cost
 that made them: a verify-shaped step through ``gated_delta_step`` / ``causal_conv_step``
-(4 sequences of 4 tokens, held), microseconds per call, printed, against the chunked fla
+(4 sequences of up to 4 tokens, two held), microseconds per call (CUDA events over
+eager calls: host time between launches shows), printed, against the chunked fla
 path it replaced (session 16: a whole verify step cost ~150 ms on that path)."""
 
 from __future__ import annotations
 
 import importlib.util
-import time
 
 import pytest
 import torch
+from gpu_timing import cuda_ms
 
 pytestmark = [
     pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA"),
@@ -78,16 +79,6 @@ def test_varlen_rule_and_conv_match_the_references(dtype):
     assert torch.equal(conv_pool, want_conv)  # stored inputs: copied, not computed
 
 
-def _us(fn, n=50) -> float:
-    fn()
-    torch.cuda.synchronize()
-    t0 = time.perf_counter()
-    for _ in range(n):
-        fn()
-    torch.cuda.synchronize()
-    return (time.perf_counter() - t0) / n * 1e6
-
-
 def test_a_verify_shaped_step_timing():
     """Eager calls of the entries on a verify's shape (held sequences), printed against fla's
     chunked kernels on the same step where fla-core is installed."""
@@ -98,10 +89,11 @@ def test_a_verify_shaped_step_timing():
     args, pool, (x, w), conv_pool, slots, fresh, cu = _case(torch.bfloat16, seed=4)
     step = lambda: (causal_conv_step(x, w, conv_pool, slots, fresh, tuple(cu), False, HELD),  # noqa: E731
                     gated_delta_step(*args, pool, slots, fresh, tuple(cu), False, HELD))
-    varlen = _us(step)
+    varlen = 1e3 * cuda_ms(step, iters=50)
     short, dispatch.MAX_SHORT_TOKENS = dispatch.MAX_SHORT_TOKENS, 0  # every step "long"
     try:
-        chunked = _us(step) if importlib.util.find_spec("fla") else float("nan")
+        chunked = 1e3 * cuda_ms(step, iters=50) if importlib.util.find_spec("fla") \
+            else float("nan")
     finally:
         dispatch.MAX_SHORT_TOKENS = short
     print(f"\nverify-shaped conv + rule, {len(LENS)} sequences of <= 4 tokens: varlen kernels "
