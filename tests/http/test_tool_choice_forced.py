@@ -13,6 +13,8 @@ or a forced choice together with the request's own structured output, is a 400 n
 
 from __future__ import annotations
 
+from concurrent.futures import ThreadPoolExecutor
+
 import json
 import shutil
 
@@ -234,10 +236,13 @@ def test_responses_api_parallel_tool_calls_false_is_one_call(forced_server, fcli
     tools = [{"type": "function", "name": n, "parameters": s} for n, s in SCHEMAS.items()]
     kw = dict(model=forced_server.model, input="Weather?", tools=tools, tool_choice="required",
               max_output_tokens=LONG)
-    tries = (fclient.responses.create(**kw) for _ in range(4))
-    assert any(len(r.output) > 1 and r.parallel_tool_calls is True for r in tries)
-    for _ in range(3):
-        one = fclient.responses.create(parallel_tool_calls=False, **kw)
+    with ThreadPoolExecutor(7) as pool:  # at once: one batch on the server, not 7 in a row
+        tries = [pool.submit(fclient.responses.create, **kw) for _ in range(4)]
+        ones = [pool.submit(fclient.responses.create, parallel_tool_calls=False, **kw)
+                for _ in range(3)]
+    assert any(len(r.output) > 1 and r.parallel_tool_calls is True
+               for r in (t.result() for t in tries))
+    for one in (o.result() for o in ones):
         assert [i.type for i in one.output] == ["function_call"] and one.status == "completed"
         assert one.parallel_tool_calls is False
         _valid_call(one.output[0].name, one.output[0].arguments)
