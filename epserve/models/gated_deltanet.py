@@ -142,11 +142,12 @@ class GatedDeltaNet(nn.Module):
         cu = [0]
         for m in kept:
             cu.append(cu[-1] + m)
-        decode = cu == list(range(len(cu)))
         fresh = torch.zeros(len(kept), dtype=torch.bool, device=x.device)
-        mixed = causal_conv_step(x[rows], self.conv_weight, states[0], slots, fresh, cu, decode)
+        # never "decode" (even when every kept count is 1): the verify's own varlen kernels,
+        # no other variant to compile while serving
+        mixed = causal_conv_step(x[rows], self.conv_weight, states[0], slots, fresh, cu, False)
         q, k, v = self._qkv(mixed)
-        gated_delta_step(q, k, v, g[rows], beta[rows], states[1], slots, fresh, cu, decode)
+        gated_delta_step(q, k, v, g[rows], beta[rows], states[1], slots, fresh, cu, False)
 
     def cache_spec(self) -> StateCacheSpec:
         return StateCacheSpec(conv_shape=(self.conv_dim, self.conv_kernel - 1),
