@@ -205,25 +205,34 @@ def delta_gates_ref(a: torch.Tensor, b: torch.Tensor, A_log: torch.Tensor,
 def gated_delta_step_gates(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, a: torch.Tensor,
                            b: torch.Tensor, A_log: torch.Tensor, dt_bias: torch.Tensor,
                            state_pool: torch.Tensor, slots: torch.Tensor, fresh: torch.Tensor,
-                           cu_seqlens: Sequence[int], decode: bool) -> torch.Tensor:
+                           cu_seqlens: Sequence[int], decode: bool,
+                           hold: Sequence[int] = ()) -> torch.Tensor:
     """``gated_delta_step(q, k, v, *delta_gates_ref(a, b, A_log, dt_bias), state_pool, slots,
-    fresh, cu_seqlens, decode)`` (no held sequences): a, b [T, Hv] (any strides), A_log,
-    dt_bias [Hv]. On a decode step the Triton kernel computes g and beta itself."""
+    fresh, cu_seqlens, decode, hold)``: a, b [T, Hv] (any strides), A_log, dt_bias [Hv]. On a
+    decode step or a short one (``dispatch.short_step``) the Triton kernel computes g and beta
+    itself."""
     name = "gated_delta_step_gates"
-    _check_step(name, q, k, v, state_pool, slots, fresh, cu_seqlens, decode)
+    _check_step(name, q, k, v, state_pool, slots, fresh, cu_seqlens, decode, hold)
     t, hv = q.shape[0], v.shape[1]
     if a.shape != (t, hv) or b.shape != (t, hv) or A_log.shape != (hv,) \
             or dt_bias.shape != (hv,):
         raise ValueError(f"{name}: a {tuple(a.shape)}, b {tuple(b.shape)} must be [{t}, {hv}] "
                          f"and A_log {tuple(A_log.shape)}, dt_bias {tuple(dt_bias.shape)} [{hv}]")
-    if decode and _decode_kernel_covers(q, k, v, a, b, state_pool) \
-            and all(x.dtype in DTYPES and x.device == v.device for x in (A_log, dt_bias)):
+    kernel = _decode_kernel_covers(q, k, v, a, b, state_pool) and all(
+        x.dtype in DTYPES and x.device == v.device for x in (A_log, dt_bias))
+    if decode and kernel:
         from epserve.kernels.triton.gated_delta_decode import gated_delta_decode_gates_triton
 
         return gated_delta_decode_gates_triton(q, k, v, a, b, A_log, dt_bias, state_pool, slots,
                                                fresh)
+    if kernel and short_step(cu_seqlens):
+        from epserve.kernels.triton.gated_delta_decode import gated_delta_varlen_triton
+
+        return gated_delta_varlen_triton(q, k, v, a, b, state_pool, slots, fresh,
+                                         *varlen_tensors(cu_seqlens, hold, v.device),
+                                         gates=(A_log.contiguous(), dt_bias.contiguous()))
     g, beta = delta_gates_ref(a, b, A_log, dt_bias)
-    return gated_delta_step(q, k, v, g, beta, state_pool, slots, fresh, cu_seqlens, decode)
+    return gated_delta_step(q, k, v, g, beta, state_pool, slots, fresh, cu_seqlens, decode, hold)
 
 
 def _decode_kernel_covers(q, k, v, g, beta, pool) -> bool:

@@ -19,13 +19,13 @@ prefill: fla-core's kernels on CUDA where installed; the torch references otherw
 recurrent form for a pure decode step, the chunked one else). Rows past
 ``query_start_loc[-1]`` are padding: output zeros, no state read or written. A speculative
 verify's sequences (``meta.state_hold``) run from their states but do not write them: the layer
-logs their conv inputs, g and beta (``meta.state_log``), and once the verdict is known ``fold``
-advances each state by the accepted tokens only (so a rejected draft never touches a state).
-Only such a step computes g and beta as tensors (``delta_gates_ref``): any other step hands a
-and b to ``gated_delta_step_gates``, whose decode kernel computes them in its programs, and
-runs its projections through ``deltanet_proj`` (``in_proj_conv``, ``gated_norm_out_proj``): a
-one-row decode step on CUDA is then three launches (the input projection with the conv
-update, the decode kernel, the gated norm with the output projection).
+logs their conv inputs and the projections a, b (``meta.state_log``), and once the verdict is
+known ``fold`` advances each state by the accepted tokens only (so a rejected draft never
+touches a state). Every step hands a and b to ``gated_delta_step_gates``, whose decode and
+varlen kernels compute g and beta in their programs; a step without holds runs its projections
+through ``deltanet_proj`` (``in_proj_conv``, ``gated_norm_out_proj``): a one-row decode step
+on CUDA is then three launches (the input projection with the conv update, the decode kernel,
+the gated norm with the output projection).
 """
 
 from __future__ import annotations
@@ -36,8 +36,7 @@ from torch import nn
 from epserve.kernels.attention import AttentionMetadata
 from epserve.kernels.causal_conv import causal_conv_step
 from epserve.kernels.deltanet_proj import gated_norm_out_proj, in_proj_conv
-from epserve.kernels.gated_delta import (delta_gates_ref, gated_delta_step,
-                                         gated_delta_step_gates)
+from epserve.kernels.gated_delta import gated_delta_step_gates
 from epserve.kernels.linear import linear
 from epserve.kernels.norm import gated_rms_norm
 from epserve.models.config import ModelConfig
@@ -100,13 +99,16 @@ class GatedDeltaNet(nn.Module):
         if hold:  # a verify's rows: what folding an accepted prefix in needs
             proj = linear(x[:n], self.in_proj.weight)  # [n, C + Hv Dv + 2 Hv]
             mixed, z, b, a = proj.split([self.conv_dim, self.value_dim, hv, hv], dim=-1)
-            g, beta = delta_gates_ref(a, b, self.A_log, self.dt_bias)  # [n, Hv]: g <= 0
-            rows = held_rows(meta, x.device)
-            meta.state_log.append((mixed[rows], g[rows], beta[rows]))
+            if len(hold) == meta.num_seqs:  # every row held (a pure verify): no gather
+                meta.state_log.append((mixed, a, b))
+            else:
+                rows = held_rows(meta, x.device)
+                meta.state_log.append((mixed[rows], a[rows], b[rows]))
             mixed = causal_conv_step(mixed, self.conv_weight, conv_state, slots, fresh, qsl,
                                      decode, hold)  # SiLU'd
-            o = gated_delta_step(*self._qkv(mixed), g, beta, rec_state, slots, fresh, qsl,
-                                 decode, hold)  # [n, Hv, Dv]
+            o = gated_delta_step_gates(*self._qkv(mixed), a, b, self.A_log, self.dt_bias,
+                                       rec_state, slots, fresh, qsl, decode,
+                                       hold)  # [n, Hv, Dv]
         else:  # the conv in the projection's launch and g, beta in the decode kernel's (CUDA)
             mixed, rest = in_proj_conv(x[:n], self.in_proj.weight, self.conv_weight,
                                        conv_state, slots, fresh, qsl, decode)  # SiLU'd
@@ -130,24 +132,25 @@ class GatedDeltaNet(nn.Module):
     def fold(self, logged: tuple[torch.Tensor, torch.Tensor, torch.Tensor], states: StatePair,
              slots: torch.Tensor, lens: list[int], kept: list[int]) -> None:
         """Advance held sequences' states by the first ``kept[i]`` of their ``lens[i]`` logged
-        tokens (what ``forward`` appended to ``meta.state_log`` for them: conv inputs, g,
-        beta), in place at ``slots``: the states become those of a plain decode of the kept
-        tokens. ``kept[i]`` in 1..``lens[i]``."""
-        x, g, beta = logged
+        tokens (what ``forward`` appended to ``meta.state_log`` for them: conv inputs and the
+        projections a, b), in place at ``slots``: the states become those of a plain decode of
+        the kept tokens. ``kept[i]`` in 1..``lens[i]``."""
+        x, a, b = logged
         starts = [0]
         for n in lens:
             starts.append(starts[-1] + n)
         idx = [r for s, m in zip(starts, kept) for r in range(s, s + m)]
-        rows = torch.tensor(idx, device=x.device)
+        rows = None if kept == lens else torch.tensor(idx, device=x.device)  # all: no gather
+        pick = (lambda t: t) if rows is None else (lambda t: t[rows])  # noqa: E731
         cu = [0]
         for m in kept:
             cu.append(cu[-1] + m)
         fresh = torch.zeros(len(kept), dtype=torch.bool, device=x.device)
         # never "decode" (even when every kept count is 1): the verify's own varlen kernels,
         # no other variant to compile while serving
-        mixed = causal_conv_step(x[rows], self.conv_weight, states[0], slots, fresh, cu, False)
-        q, k, v = self._qkv(mixed)
-        gated_delta_step(q, k, v, g[rows], beta[rows], states[1], slots, fresh, cu, False)
+        mixed = causal_conv_step(pick(x), self.conv_weight, states[0], slots, fresh, cu, False)
+        gated_delta_step_gates(*self._qkv(mixed), pick(a), pick(b), self.A_log, self.dt_bias,
+                               states[1], slots, fresh, cu, False)
 
     def cache_spec(self) -> StateCacheSpec:
         return StateCacheSpec(conv_shape=(self.conv_dim, self.conv_kernel - 1),

@@ -122,20 +122,23 @@ def test_gates_kernel_softplus_tails(x, interpret):
     _check(o, want_o, pool, want_pool, dict(atol=1e-6, rtol=1e-6))
 
 
-@pytest.mark.parametrize("decode", [True, False], ids=["decode", "prefill"])
-def test_step_gates_entry_on_both_paths(path, decode, monkeypatch):
+@pytest.mark.parametrize("decode,hold", [(True, ()), (False, ()), (False, (1,))],
+                         ids=["decode", "short", "short-held"])
+def test_step_gates_entry_on_both_paths(path, decode, hold, monkeypatch):
     """The layer's call: equal to ``delta_gates_ref`` then ``gated_delta_step``; on the
-    interpreted decode kernel nothing computes g and beta outside it."""
+    interpreted kernels (decode, and varlen for a short step such as a verify with its
+    sequences held) nothing computes g and beta outside them."""
     s = 4
     qkv, gates, pool, slots, fresh = _case(s, 2, 4, 8, 6, torch.float32, seed=9)
     cu = tuple(range(s + 1))
     if not decode:  # two sequences of two tokens each
         slots, fresh, cu = slots[:2], fresh[:2], (0, 2, 4)
     want_pool = pool.clone()
-    want_o = gated_delta_step(*qkv, *delta_gates_ref(*gates), want_pool, slots, fresh, cu, decode)
-    if decode and path == "interpreter":
+    want_o = gated_delta_step(*qkv, *delta_gates_ref(*gates), want_pool, slots, fresh, cu, decode,
+                              hold)
+    if path == "interpreter":
         monkeypatch.setattr(gd, "delta_gates_ref", lambda *a: pytest.fail("gates in torch"))
-    o = gated_delta_step_gates(*qkv, *gates, pool, slots, fresh, cu, decode)
+    o = gated_delta_step_gates(*qkv, *gates, pool, slots, fresh, cu, decode, hold)
     _check(o, want_o, pool, want_pool, FP32)
 
 

@@ -187,8 +187,8 @@ def test_held_verify_logs_gates_and_folds_on_the_kernel_path(monkeypatch):
     meta, pos = _meta((0, 3, 4), (9, 6), False, tables, slots, state_hold=(0,), state_log=log)
     with torch.no_grad():
         layer(pos, x, cache, meta)
-    (mixed, g, beta), = log
-    assert mixed.shape[0] == g.shape[0] == beta.shape[0] == 3 and (g <= 0).all()
+    (mixed, a, b), = log  # the held sequence's rows: conv inputs, the projections a and b
+    assert mixed.shape[0] == a.shape[0] == b.shape[0] == 3
     assert torch.equal(cache[1][2], plain[1][2]) and torch.equal(cache[0][2], plain[0][2])
     with torch.no_grad():
         layer.fold(log[0], cache, slots[:1], [3], [2])

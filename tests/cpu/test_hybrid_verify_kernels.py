@@ -1,7 +1,7 @@
 """A speculative verify on a hybrid as CUDA runs it (every Triton kernel in the interpreter, on
 CPU): each DeltaNet layer's verify of k + 1 tokens a sequence and the fold of the accepted
-prefix take the varlen kernels (one launch a layer each for the conv and the rule, the
-verify's sequences held), not the chunked prefill path; the greedy output and logprobs are
+prefix take the varlen kernels (one launch a layer each for the conv and the rule, g and beta
+computed in the rule's, the verify's sequences held), not the chunked prefill path; the greedy output and logprobs are
 the output without speculation on the same kernels. (On an H200 the chunked path made a verify
 step ~150 ms against a 2.9 ms decode step: bench/RESULTS.md, session 16.)"""
 
@@ -32,7 +32,7 @@ def test_verify_and_fold_take_the_varlen_kernels_and_change_nothing(tmp_path, mo
     sp = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True, logprobs=1)
     want = LLM(model=str(ckpt), dtype="float32", seed=0, max_model_len=64).generate(reqs, sp)
     use_interpreted(monkeypatch, _NAMES, _MODS)  # the reference above, the kernels below
-    calls = {"rule": 0, "conv": 0, "held": 0, "chunked": 0}
+    calls = {"rule": 0, "conv": 0, "held": 0, "chunked": 0, "gates": 0}
 
     def spy(mod, name, key):
         real = getattr(mod, name)
@@ -47,6 +47,7 @@ def test_verify_and_fold_take_the_varlen_kernels_and_change_nothing(tmp_path, mo
     spy(_MODS[_NAMES.index("causal_conv_update")], "causal_conv_varlen_triton", "conv")
     spy(delta_op, "chunked_ref", "chunked")  # the prompt's prefill (21 tokens: not short)
     spy(conv_op, "causal_conv1d_ref", "chunked")
+    spy(delta_op, "delta_gates_ref", "gates")  # g and beta as torch ops: the prefill's only
     spec = LLM(model=str(ckpt), dtype="float32", seed=0, max_model_len=64,
                speculative_config=NGRAM)
     got = spec.generate(reqs, sp)
@@ -62,3 +63,4 @@ def test_verify_and_fold_take_the_varlen_kernels_and_change_nothing(tmp_path, mo
     assert calls["held"] == st.num_drafts * layers  # each verify: every layer, held
     assert calls["conv"] == calls["rule"] == 2 * calls["held"]  # a verify and its fold
     assert calls["chunked"] == 2 * layers  # the prompt's prefill, nothing more
+    assert calls["gates"] == layers  # verify and fold compute g and beta in their kernel

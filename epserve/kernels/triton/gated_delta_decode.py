@@ -155,18 +155,22 @@ def gated_delta_decode_gates_triton(q: torch.Tensor, k: torch.Tensor, v: torch.T
 def gated_delta_varlen_triton(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor,
                               beta: torch.Tensor, state_pool: torch.Tensor, slots: torch.Tensor,
                               fresh: torch.Tensor, cu: torch.Tensor, hold: torch.Tensor,
-                              eps: float = 1e-6) -> torch.Tensor:
+                              eps: float = 1e-6,
+                              gates: tuple[torch.Tensor, torch.Tensor] | None = None
+                              ) -> torch.Tensor:
     """``gated_delta_decode_triton`` over T rows of S sequences: sequence s owns rows
     ``[cu[s], cu[s + 1])`` (cu [S + 1] int32/int64 on the device, non-decreasing from 0 to T:
     trusted, not read on the host) and its new state is written back unless ``hold[s]`` ([S]
-    bool). One program walks a sequence's rows in order: for a few rows each."""
+    bool). One program walks a sequence's rows in order: for a few rows each. ``gates``:
+    (A_log, dt_bias) [Hv], and g / beta are the projections a / b (as
+    ``gated_delta_decode_gates_triton``)."""
     name = "gated_delta_varlen_triton"
     s = slots.shape[0] if slots.dim() == 1 else -1
     if cu.shape != (s + 1,) or cu.dtype not in (torch.int32, torch.int64) \
             or hold.shape != (s,) or hold.dtype != torch.bool:
         raise ValueError(f"{name}: cu {tuple(cu.shape)} {cu.dtype} must be [{s + 1}] int32/int64 "
                          f"and hold {tuple(hold.shape)} {hold.dtype} [{s}] bool")
-    return _launch(name, q, k, v, g, beta, None, state_pool, slots, fresh, eps, (cu, hold))
+    return _launch(name, q, k, v, g, beta, gates, state_pool, slots, fresh, eps, (cu, hold))
 
 
 def _launch(name, q, k, v, g, beta, gates, state_pool, slots, fresh, eps,
