@@ -11,7 +11,7 @@ per kernel the variants the start-up compiled (the prefill warm-up, then every d
 rung run once) and those the workload met anew. Pure decode forwards are not recorded: on the
 GPU they replay the decode graphs, compiled at start.
 
-    python bench/jit_variants.py [--prompts 24] [--budget 256] [--max-tokens 6]
+    python bench/jit_variants.py [--prompts 24] [--budget 256] [--max-tokens 6] [--speculative K]
 
 Counted, not timed; a tiny random Qwen3-MoE, or with ``--arch qwen3.5`` a Qwen3.5-MoE hybrid (dims
 multiples of 16, as the real shapes', so the classes of the shape-derived arguments match
@@ -147,7 +147,7 @@ def _skip_pure_decode(runner, variants: Variants) -> None:
 
 def run(prompts: int, budget: int, max_tokens: int, seed: int = 0, experts: int = 8,
         top_k: int = 2, max_num_seqs: int = 64, max_prompt: int = 90, burst: int = 8,
-        arch: str = "qwen3") -> Variants:
+        arch: str = "qwen3", speculative: int = 0) -> Variants:
     from epserve import LLM, SamplingParams
 
     folder = Path(tempfile.mkdtemp())
@@ -157,7 +157,10 @@ def run(prompts: int, budget: int, max_tokens: int, seed: int = 0, experts: int 
     _install(variants)
     llm = LLM(model=str(folder), load_format="dummy", device="cpu", dtype="bfloat16",
               max_num_batched_tokens=budget, max_num_seqs=max_num_seqs, max_model_len=1024,
-              enable_prefix_caching=False, seed=seed)
+              enable_prefix_caching=False, seed=seed,
+              speculative_config=None if not speculative else {
+                  "method": "ngram", "num_speculative_tokens": speculative,
+                  "prompt_lookup_max": 3, "prompt_lookup_min": 1})
     variants.seen.clear()  # the CPU engine's own start-up (no warm-up there) is not the GPU's
     start_up(llm)
     variants.phase = "workload"
@@ -226,10 +229,12 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--top-k", type=int, default=2, help="the real shape's: 8")
     ap.add_argument("--max-num-seqs", type=int, default=64)
     ap.add_argument("--burst", type=int, default=8, help="requests at once, then one a step")
+    ap.add_argument("--speculative", type=int, default=0, metavar="K",
+                    help="n-gram speculation of K drafts (verify steps in the workload)")
     args = ap.parse_args(argv)
     report(run(args.prompts, args.budget, args.max_tokens, experts=args.experts,
                top_k=args.top_k, max_num_seqs=args.max_num_seqs, max_prompt=args.max_prompt,
-               burst=args.burst, arch=args.arch))
+               burst=args.burst, arch=args.arch, speculative=args.speculative))
     return 0
 
 

@@ -98,7 +98,8 @@ def _window(x_ptr, stride_xt, start, row, stride_pk, i, offs_c, C, live_c, K: tl
     return tl.where(i >= 0, xv.to(tl.float32), sv.to(tl.float32))
 
 
-@triton.jit
+# a verify's x is a view of a wider projection row, a short prompt's its own: one compile
+@triton.jit(do_not_specialize=["stride_xt"])
 def _conv_varlen_kernel(x_ptr, w_ptr, pool_ptr, slot_ptr, fresh_ptr, cu_ptr, hold_ptr, y_ptr,
                         stride_xt, stride_wc, stride_pn, stride_pc, stride_pk, stride_yt, C,
                         K: tl.constexpr, BC: tl.constexpr, SILU: tl.constexpr):

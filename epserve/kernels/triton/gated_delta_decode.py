@@ -76,7 +76,9 @@ def _delta_token(state, r, h, kh, q_ptr, k_ptr, v_ptr, g_ptr, beta_ptr, o_ptr, a
     return state
 
 
-@triton.jit
+# a and b (GATES) are columns of a projection at an offset that differs between the layer's
+# paths (a verify's, a decode's): their alignment is not specialized on (scalar loads anyway)
+@triton.jit(do_not_specialize=["g_ptr", "beta_ptr"])
 def _gated_delta_decode_kernel(q_ptr, k_ptr, v_ptr, g_ptr, beta_ptr, pool_ptr, slot_ptr,
                                fresh_ptr, o_ptr, alog_ptr, dtb_ptr, cu_ptr, hold_ptr,
                                stride_qs, stride_qh, stride_ks, stride_kh, stride_vs, stride_vh,
