@@ -12,7 +12,8 @@
 #                                       # profiled (cProfile inflates it: not a throughput figure)
 #   bash bench/gpu_session.sh hybrid    # issue 17: decode vs floor and transformers, MTP cost
 #   bash bench/gpu_session.sh hybrid-short   # issue 17: short workload vs transformers
-#   bash bench/gpu_session.sh mtp       # issue 17: the MTP proposer's cost per proposed token
+#   bash bench/gpu_session.sh mtp       # issue 17: the MTP proposer's cost per proposed token,
+#                                       # then a speculative step's host time (cProfile)
 #   bash bench/gpu_session.sh serve     # issue 19: HTTP at c=256 and c=32 against offline
 #                                       # (needs Ray: prep adds ../shared/airgap/ray-bundle.sh's
 #                                       # wheels; the head's log lines land in $OUT too)
@@ -89,7 +90,9 @@ case "$stage" in
     python bench/throughput.py --model-shape qwen3.5-35b-a3b --workload short 2>&1 \
       | tee "$log" ;;
   mtp)
-    python bench/mtp_cost.py --k 1 2 3 2>&1 | tee "$log" ;;
+    { python bench/mtp_cost.py --k 1 2 3 &&
+      python bench/profile_decode.py --model-shape qwen3.5-35b-a3b --layers 40 --mtp 2 \
+        --steps 16 --host; } 2>&1 | tee "$log" ;;
   serve|serve-haproxy|serve-wide)
     ingress=proxy; [ "$stage" != serve ] && ingress=haproxy
     # serve-wide: HAProxy and 4 ingress replicas (256 streams at ~37 steps/s are ~9,500

@@ -5,6 +5,8 @@ a model shape (bench/shapes.py; random bf16), top ops by self CUDA time and by s
     python bench/profile_decode.py --layers 48 --batch 32 --prompt-len 256 --steps 0  # prefill
     python bench/profile_decode.py --layers 48 --steps 8 --decode-only  # decode steps alone
     python bench/profile_decode.py --layers 48 --steps 64 --host  # Python time per step
+    python bench/profile_decode.py --model-shape qwen3.5-35b-a3b --layers 40 --mtp 2 \
+        --steps 16 --host  # a speculative step's host time (MTP head, 2 drafts)
 """
 
 from __future__ import annotations
@@ -38,13 +40,21 @@ def main(argv: list[str] | None = None) -> int:
                     help="per-kernel table of the decode steps alone (minus a prefill-only run)")
     ap.add_argument("--host", action="store_true",
                     help="cProfile of one generate instead: where the host's time per step goes")
+    ap.add_argument("--mtp", type=int, default=0, metavar="K",
+                    help="speculative decoding with the shape's MTP head, K drafts a step "
+                         "(random weights: drafts rejected, every step a verify of K + 1)")
     args = ap.parse_args(argv)
     folder = Path(tempfile.mkdtemp())
-    (folder / "config.json").write_text(json.dumps(shape(args.model_shape, args.layers)))
+    cfg = shape(args.model_shape, args.layers)
+    if args.mtp:  # one MTP layer, as the hybrids' checkpoints ship it (random under dummy)
+        cfg = dict(cfg, mtp_num_hidden_layers=1)
+    (folder / "config.json").write_text(json.dumps(cfg))
     llm = LLM(model=str(folder), dtype="bfloat16", load_format="dummy", device="cuda",
               max_model_len=max(2048, args.prompt_len + args.steps + 8), num_kv_blocks=4096,
               max_num_batched_tokens=max(2048, args.batch * args.prompt_len),
-              enforce_eager=args.enforce_eager)
+              enforce_eager=args.enforce_eager,
+              speculative_config={"method": "mtp", "num_speculative_tokens": args.mtp}
+              if args.mtp else None)
 
     def prompts(shift: int) -> list[dict]:  # warm-up and profiled prompts differ: no prefix hit
         return [{"prompt_token_ids": [(7 * i + j + shift) % 1000 + 5
