@@ -7,6 +7,7 @@ device lengths, a state slot per row).
 
     python bench/count_decode_launches.py [--arch qwen3.5 qwen3-next] [--dtype bfloat16] [--ops]
     python bench/count_decode_launches.py --batch 4  # a larger rung
+    python bench/count_decode_launches.py --verify 3  # a speculative verify (eager) + its fold
 
 Torch ops are counted with a ``TorchDispatchMode`` (aten ops, as the profiler sees them);
 those that launch nothing on a GPU (views, ``empty``) are listed apart. Triton launches are
@@ -141,9 +142,10 @@ def _layer_kind(model, i: int) -> str:
     return kind + ("" if hasattr(layer.ffn, "routed") else "+dense")
 
 
-def build(arch: str, dtype: torch.dtype, batch: int = 1):
+def build(arch: str, dtype: torch.dtype, batch: int = 1, verify: int = 0):
     """The tiny model of ``arch`` (dummy weights), its caches and a decode step's inputs of
-    ``batch`` rows as ``DecodeGraphs`` gives them (device lengths, a state slot per row)."""
+    ``batch`` rows as ``DecodeGraphs`` gives them (device lengths, a state slot per row); with
+    ``verify`` = k, a speculative verify's instead: each sequence k + 1 tokens, held."""
     from epserve.kernels.attention import AttentionMetadata
     from epserve.models.layer_cache import KvCacheSpec
     from epserve.models.loader import load_model
@@ -161,6 +163,24 @@ def build(arch: str, dtype: torch.dtype, batch: int = 1):
             conv, rec = spec.allocate(batch + 1, "cpu")
             caches.append((conv.normal_(0, 0.1), rec.normal_(0, 0.1)))
 
+    if verify:
+        n = verify + 1
+
+        def meta():  # each sequence its fed token and k drafts, its states held
+            tok = torch.arange(n)
+            return AttentionMetadata(
+                slot_mapping=torch.cat([b * 2 * block_size + seq_len - 1 + tok
+                                        for b in range(batch)]),
+                query_start_loc=tuple(range(0, batch * n + 1, n)),
+                seq_lens=(seq_len + verify,) * batch,
+                block_tables=torch.arange(2 * batch, dtype=torch.int32).view(batch, 2),
+                block_size=block_size, state_slots=torch.arange(batch) + 1,
+                state_hold=tuple(range(batch)), state_log=[])
+
+        ids = torch.arange(batch * n) + 7
+        pos = (seq_len - 1 + torch.arange(n)).repeat(batch)
+        return model, caches, meta, ids, pos
+
     def meta():  # a new one per forward: what a step computes once is counted once
         return AttentionMetadata(
             slot_mapping=torch.arange(batch) * 2 * block_size + seq_len - 1,
@@ -173,8 +193,9 @@ def build(arch: str, dtype: torch.dtype, batch: int = 1):
     return model, caches, meta, ids, pos
 
 
-def count(arch: str, dtype: torch.dtype, batch: int = 1) -> tuple[Counts, list[str]]:
-    model, caches, meta, ids, pos = build(arch, dtype, batch)
+def count(arch: str, dtype: torch.dtype, batch: int = 1,
+          verify: int = 0) -> tuple[Counts, list[str]]:
+    model, caches, meta, ids, pos = build(arch, dtype, batch, verify)
     counts = Counts()
     kinds = []
     import epserve.models.gated_deltanet as gdn
@@ -191,6 +212,8 @@ def count(arch: str, dtype: torch.dtype, batch: int = 1) -> tuple[Counts, list[s
             layer.ffn.forward_prenorm = _labelled(prenorm, f"{i}/ffn", counts)
         for name, child in layer.ffn.named_children():
             _hook(child, f"{i}/ffn.{name}", counts)
+        if hasattr(layer.mixer, "fold"):  # a verify's fold, charged to its layer
+            layer.mixer.fold = _labelled(layer.mixer.fold, f"{i}/fold", counts)
     with torch.inference_mode():
         model(ids, pos, caches, meta())  # warm-up: Triton's first launch of each kernel
         _wrap_triton_launch(counts)
@@ -198,6 +221,8 @@ def count(arch: str, dtype: torch.dtype, batch: int = 1) -> tuple[Counts, list[s
         step = meta()
         with _Mode(counts):
             model(ids, pos, caches, step)
+            if verify:  # every draft accepted: each held state advanced by k + 1 tokens
+                model.fold_held_states(caches, step, [verify + 1] * batch)
     return counts, kinds
 
 
@@ -217,7 +242,8 @@ def _ops(parts: Counter) -> Counter:
     return out
 
 
-def report(arch: str, counts: Counts, kinds: list[str], show_ops: bool, batch: int = 1) -> None:
+def report(arch: str, counts: Counts, kinds: list[str], show_ops: bool, batch: int = 1,
+           verify: int = 0) -> None:
     by_kind: dict[str, list] = defaultdict(lambda: [0, Counter(), Counter()])
     for where in set(counts.torch) | set(counts.triton):
         idx = where.split("/")[0]
@@ -230,8 +256,9 @@ def report(arch: str, counts: Counts, kinds: list[str], show_ops: bool, batch: i
         by_kind[k][0] += 1
     by_kind["model"][0] = 1
     order = sorted(by_kind, key=lambda k: (k == "model", k))
-    print(f"\n{arch}: one batch-{batch} decode forward ({len(kinds)} layers), per layer of each "
-          f"kind")
+    what = (f"a verify of {verify} drafts for {batch} sequence(s) and its fold" if verify
+            else f"one batch-{batch} decode forward")
+    print(f"\n{arch}: {what} ({len(kinds)} layers), per layer of each kind")
     print("| layer kind | layers | torch launches | of which copies | Triton launches | "
           "launches | no-kernel torch ops | host syncs |")
     print("|---|---:|---:|---:|---:|---:|---:|---:|")
@@ -248,7 +275,7 @@ def report(arch: str, counts: Counts, kinds: list[str], show_ops: bool, batch: i
     if {"deltanet", "attention", "model"} <= set(per):  # the 35B-A3B pattern, per step
         full = 30 * per["deltanet"] + 10 * per["attention"] + per["model"]
         print(f"at the Qwen3.5-35B-A3B pattern (30 DeltaNet + 10 attention layers): "
-              f"{full:.0f} launches a decode step")
+              f"{full:.0f} launches a {'verify and its fold' if verify else 'decode step'}")
     if not show_ops:
         return
     for kind in order:
@@ -267,11 +294,13 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
     ap.add_argument("--ops", action="store_true", help="list every op and kernel per part")
     ap.add_argument("--batch", type=int, default=1, help="decode rows (a CUDA graph's rung)")
+    ap.add_argument("--verify", type=int, default=0, metavar="K",
+                    help="count a speculative verify of K drafts a sequence and its fold instead")
     args = ap.parse_args(argv)
     torch.manual_seed(0)
     for arch in args.arch:
-        counts, kinds = count(arch, getattr(torch, args.dtype), args.batch)
-        report(arch, counts, kinds, args.ops, args.batch)
+        counts, kinds = count(arch, getattr(torch, args.dtype), args.batch, args.verify)
+        report(arch, counts, kinds, args.ops, args.batch, args.verify)
     return 0
 
 
