@@ -13,7 +13,9 @@ own over the target's block tables. After the target's forward and sampling, thi
   sampled sequence's last row gives its first draft (greedy);
 - passes 1..k-1 chain: each drafting sequence one row at the next position, fed its last draft
   and the head's own output hidden (vLLM's chaining), while that position has a KV block (the
-  leader reserves them with the step; a sequence without stops drafting early).
+  leader reserves them with the step; a sequence without stops drafting early). A pass feeds
+  the last one's drafts from the device, so the passes queue back to back and every draft is
+  read back once, after the last (one host sync a step, not one a pass).
 
 Invariants: drafts are greedy (deterministic), so verifying them is exact
 (``models.acceptance``); a position's head KV written by a chain pass is rewritten by pass 0
@@ -65,24 +67,31 @@ class MtpDrafter:
         pos = np.concatenate([pass_rows.decode_pos,
                               [p.start + len(p.tokens) - 1 for p in pass_rows.prefill
                                if p.sample]]).astype(np.int64)
-        cur = self._greedy(out)
-        drafts = {s: [d] for s, d in zip(slots, cur)}
+        cur = self._greedy(out)  # [n] on the device: the next pass is fed from there
+        passes = [(list(slots), cur)]
         live = np.asarray(slots, dtype=np.int64)
         for step in range(1, self.k):
             pos = pos + 1
             ok = pos < nblocks[live] * self.block_size  # the next position has a KV block
-            if not ok.all():
-                live, pos, out = live[ok], pos[ok], out[torch.as_tensor(ok, device=out.device)]
-                cur = [c for c, o in zip(cur, ok.tolist()) if o]
+            if not ok.all():  # an index from the host: a boolean mask would sync
+                keep = torch.as_tensor(np.flatnonzero(ok)).to(out.device, non_blocking=True)
+                live, pos = live[ok], pos[ok]
+                out, cur = out.index_select(0, keep), cur.index_select(0, keep)
             if not len(live):
                 self._idle(self.k - step, step)
                 break
-            chain = RankRows(live, pos, np.array(cur, dtype=np.int64), (), [], [])
+            chain = RankRows(live, pos, np.zeros(len(live), dtype=np.int64), (), [], [])
             step_in = build_step_inputs(chain, self.tables, self.block_size, self.device)
-            out = self._run(step, step_in.input_ids, out, step_in.positions, step_in.meta)
+            out = self._run(step, cur, out, step_in.positions, step_in.meta)
             cur = self._greedy(out)
-            for s, d in zip(live.tolist(), cur):
-                drafts[s].append(d)
+            passes.append((live.tolist(), cur))
+        drafted = torch.cat([c for _, c in passes]).tolist()  # the one read-back of the passes
+        drafts: dict[int, list[int]] = {s: [] for s in slots}
+        at = 0
+        for who, _ in passes:
+            for s in who:
+                drafts[s].append(drafted[at])
+                at += 1
         return {s: tuple(d) for s, d in drafts.items()}
 
     def _first_pass(self, rows: RankRows, inp: StepInputs, tokens: Sequence[SampledToken],
@@ -121,8 +130,10 @@ class MtpDrafter:
         cache = self.caches[self.head.layer_for_step(step)]
         return self.head(ids, hidden, positions, cache, meta, self.rope, step=step)
 
-    def _greedy(self, hidden: torch.Tensor) -> list[int]:
-        return self.head.compute_logits(hidden).argmax(dim=-1).tolist()
+    def _greedy(self, hidden: torch.Tensor) -> torch.Tensor:
+        """Each row's greedy draft, [n] int64 on the device (read back once, after the last
+        pass: the passes queue back to back)."""
+        return self.head.compute_logits(hidden).argmax(dim=-1)
 
     def _idle(self, passes: int, first_step: int = 0) -> None:
         """Passes with no rows: under EP each still joins the head's MoE exchange."""
