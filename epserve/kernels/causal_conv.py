@@ -86,7 +86,7 @@ def causal_conv_step(x: torch.Tensor, weight: torch.Tensor, state_pool: torch.Te
         from epserve.kernels.triton.causal_conv_update import causal_conv_update_triton
 
         return causal_conv_update_triton(x, weight, state_pool, slots, fresh)
-    if not decode and short_step(cu_seqlens) and cu_seqlens[-1] == x.shape[0] and \
+    if not decode and short_step(cu_seqlens, x.shape[0]) and \
             _update_kernel_covers(x, weight, state_pool):
         from epserve.kernels.triton.causal_conv_update import causal_conv_varlen_triton
 

@@ -112,10 +112,11 @@ def fla_offsets(cu_seqlens, device: torch.device) -> tuple[torch.Tensor, torch.T
     return c[1], c[2]
 
 
-def short_step(cu_seqlens: Sequence[int]) -> bool:
-    """Whether a step's host offsets (from 0, non-decreasing) give each sequence at most
+def short_step(cu_seqlens: Sequence[int], rows: int) -> bool:
+    """Whether a step's host offsets (from 0, non-decreasing, ending at its ``rows``: the
+    varlen kernels compute no row past the last sequence) give each sequence at most
     ``MAX_SHORT_TOKENS`` tokens: a step for the gated-DeltaNet ops' varlen kernels."""
-    return len(cu_seqlens) > 0 and cu_seqlens[0] == 0 and all(
+    return len(cu_seqlens) > 0 and cu_seqlens[0] == 0 and cu_seqlens[-1] == rows and all(
         0 <= b - a <= MAX_SHORT_TOKENS for a, b in zip(cu_seqlens, cu_seqlens[1:]))
 
 

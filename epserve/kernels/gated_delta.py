@@ -163,7 +163,8 @@ def gated_delta_step(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch
         from epserve.kernels.triton.gated_delta_decode import gated_delta_decode_triton
 
         return gated_delta_decode_triton(q, k, v, g, beta, state_pool, slots, fresh)
-    if short_step(cu_seqlens) and _decode_kernel_covers(q, k, v, g, beta, state_pool):
+    if short_step(cu_seqlens, q.shape[0]) and \
+            _decode_kernel_covers(q, k, v, g, beta, state_pool):
         from epserve.kernels.triton.gated_delta_decode import gated_delta_varlen_triton
 
         return gated_delta_varlen_triton(q, k, v, g, beta, state_pool, slots, fresh,
@@ -225,7 +226,7 @@ def gated_delta_step_gates(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, a:
 
         return gated_delta_decode_gates_triton(q, k, v, a, b, A_log, dt_bias, state_pool, slots,
                                                fresh)
-    if kernel and short_step(cu_seqlens):
+    if kernel and short_step(cu_seqlens, t):
         from epserve.kernels.triton.gated_delta_decode import gated_delta_varlen_triton
 
         return gated_delta_varlen_triton(q, k, v, a, b, state_pool, slots, fresh,
