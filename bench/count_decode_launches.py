@@ -146,7 +146,7 @@ def build(arch: str, dtype: torch.dtype, batch: int = 1, verify: int = 0):
     """The tiny model of ``arch`` (dummy weights), its caches and a decode step's inputs of
     ``batch`` rows as ``DecodeGraphs`` gives them (device lengths, a state slot per row); with
     ``verify`` = k, a speculative verify's instead: each sequence k + 1 tokens, held."""
-    from epserve.kernels.attention import AttentionMetadata
+    from epserve.kernels.attention import AttentionMetadata, StateRuns
     from epserve.models.layer_cache import KvCacheSpec
     from epserve.models.loader import load_model
 
@@ -166,16 +166,20 @@ def build(arch: str, dtype: torch.dtype, batch: int = 1, verify: int = 0):
     if verify:
         n = verify + 1
 
-        def meta():  # each sequence its fed token and k drafts, its states held
+        def meta():  # each position a one-token row; each sequence's k + 1 one held run
             tok = torch.arange(n)
             return AttentionMetadata(
                 slot_mapping=torch.cat([b * 2 * block_size + seq_len - 1 + tok
                                         for b in range(batch)]),
-                query_start_loc=tuple(range(0, batch * n + 1, n)),
-                seq_lens=(seq_len + verify,) * batch,
-                block_tables=torch.arange(2 * batch, dtype=torch.int32).view(batch, 2),
-                block_size=block_size, state_slots=torch.arange(batch) + 1,
-                state_hold=tuple(range(batch)), state_log=[])
+                query_start_loc=tuple(range(batch * n + 1)),
+                seq_lens=tuple(seq_len + i for _ in range(batch) for i in range(n)),
+                block_tables=torch.arange(2 * batch, dtype=torch.int32).view(
+                    batch, 2).repeat_interleave(n, 0),
+                block_size=block_size, seq_lens_t=torch.tensor(
+                    [seq_len + i for _ in range(batch) for i in range(n)], dtype=torch.int32),
+                state_slots=(torch.arange(batch) + 1).repeat_interleave(n),
+                state_runs=StateRuns(tuple(range(0, batch * n + 1, n)), range(1, batch + 1),
+                                     [False] * batch, tuple(range(batch))))
 
         ids = torch.arange(batch * n) + 7
         pos = (seq_len - 1 + torch.arange(n)).repeat(batch)

@@ -172,6 +172,7 @@ class EngineArgs:
         from epserve.worker.runner import RunnerConfig
 
         assert self.model is not None, "call resolved() first"
+        spec = SpeculativeConfig.from_dict(self.speculative_config)
         return RunnerConfig(
             model=self.model, dtype=self.dtype, device=self.device,
             max_model_len=self.max_model_len, block_size=self.block_size,
@@ -180,9 +181,9 @@ class EngineArgs:
             seed=self.seed, gpu_memory_utilization=float(self.gpu_memory_utilization),
             enforce_eager=bool(self.enforce_eager),
             warmup_tokens=self.max_num_batched_tokens, decode_lookahead=self.decode_lookahead,
-            max_logprobs=self.max_logprobs, mtp_drafts=spec.num_speculative_tokens
-            if (spec := SpeculativeConfig.from_dict(self.speculative_config)) is not None
-            and spec.method == "mtp" else 0)
+            max_logprobs=self.max_logprobs,
+            mtp_drafts=spec.num_speculative_tokens if spec and spec.method == "mtp" else 0,
+            speculative_tokens=spec.num_speculative_tokens if spec else 0)
 
 
 def _check_device_name(device: Any) -> None:

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from epserve.kernels.dispatch import DTYPES, use_triton
@@ -41,10 +42,9 @@ class AttentionMetadata:
       padded decode row of a CUDA graph is a one-row sequence of length 1 (so fresh) whose
       slot is the rank's spare scratch slot: it touches no other slot. The real sequences of
       a step never share a slot (padded ones may all share the spare).
-    - ``state_hold``: host indices of sequences (a speculative verify's rows) whose new states
-      such a layer does not write back; instead it appends, in layer order, what it needs to
-      fold an accepted prefix in afterwards to ``state_log`` (a list, given with the hold):
-      nothing else reads or writes those entries.
+    - ``state_runs``: optional ``StateRuns``, set when the linear-attention layers group the
+      rows into sequences other than attention's (a speculative verify's): then they read it
+      instead of ``query_start_loc``, ``state_slots`` and the lengths.
     """
 
     slot_mapping: torch.Tensor
@@ -54,13 +54,10 @@ class AttentionMetadata:
     block_size: int
     seq_lens_t: torch.Tensor | None = None
     state_slots: torch.Tensor | None = None
-    state_hold: tuple[int, ...] = ()
-    state_log: list | None = None
+    state_runs: "StateRuns | None" = None
 
     def __post_init__(self) -> None:
         s = len(self.seq_lens)
-        if self.state_hold and (self.state_log is None or self.state_slots is None):
-            raise ValueError("AttentionMetadata: state_hold needs state_slots and a state_log")
         if self.state_slots is not None and tuple(self.state_slots.shape) != (s,):
             raise ValueError(f"AttentionMetadata: state_slots shape {tuple(self.state_slots.shape)}"
                              f" does not match {s} sequences")
@@ -84,6 +81,64 @@ class AttentionMetadata:
     @property
     def num_seqs(self) -> int:
         return len(self.seq_lens)
+
+
+class StateRuns:
+    """How a step's linear-attention (gated DeltaNet) layers group its rows into sequences when
+    attention groups them otherwise: a speculative verify's ``k + 1`` positions are ``k + 1``
+    one-token rows for attention (each attends to its sequence's KV up to itself, as a decode
+    row: the decode kernels and graphs run it) but one sequence for the recurrence, which runs
+    them in order from the sequence's state and, held, does not write the state back.
+
+    Host side: ``cu`` (S + 1 offsets over the step's rows; the runs cover the rows in order),
+    ``slots`` ([S] int64 numpy, each run's state slot), ``fresh`` ([S] bool numpy: starts from
+    zeros) and ``hold`` (indices of the held runs, whose new states are not written back: each
+    layer instead appends its conv inputs and projections a, b of every row to ``log``, in
+    layer order, and ``fold`` advances the held states by an accepted prefix afterwards).
+    Device side: ``tensors`` gives (slots int64, cu int32, fresh bool, hold bool), shipped
+    once a step, or the static buffers a CUDA graph replays them from (``device``: then the
+    host side holds the capture's placeholders and the device tensors are the truth; every
+    run is then at most ``dispatch.MAX_SHORT_TOKENS`` rows).
+    """
+
+    __slots__ = ("cu", "slots", "fresh", "hold", "log", "device")
+
+    def __init__(self, cu: tuple[int, ...], slots, fresh, hold: tuple[int, ...],
+                 device: tuple[torch.Tensor, ...] | None = None):
+        self.cu, self.hold = cu, hold
+        self.slots = np.asarray(slots, dtype=np.int64)
+        self.fresh = np.asarray(fresh, dtype=bool)
+        s = len(cu) - 1
+        if s < 0 or cu[0] != 0 or self.slots.shape != (s,) or self.fresh.shape != (s,) or \
+                any(b < a for a, b in zip(cu, cu[1:])) or \
+                not all(0 <= h < s for h in hold) or len(set(hold)) != len(hold):
+            raise ValueError(f"StateRuns: offsets {list(cu)}, {self.slots.shape[0]} slots, "
+                             f"{self.fresh.shape[0]} fresh flags, holds {list(hold)}")
+        self.log: list = []
+        self.device = device
+
+    @property
+    def num_runs(self) -> int:
+        return len(self.cu) - 1
+
+    def tensors(self, device: torch.device) -> tuple[torch.Tensor, ...]:
+        """(slots [S] int64, cu [S + 1] int32, fresh [S] bool, hold [S] bool) on ``device``:
+        one host-to-device copy, made once."""
+        if self.device is None:
+            s = self.num_runs
+            at = [0]  # each section 16-byte aligned
+            for size in (8 * s, 4 * (s + 1), s):
+                at.append(-(-(at[-1] + size) // 16) * 16)
+            host = np.zeros(at[3] + s, dtype=np.uint8)
+            host[:8 * s] = self.slots.view(np.uint8)
+            host[at[1]:at[1] + 4 * (s + 1)] = np.asarray(self.cu, dtype=np.int32).view(np.uint8)
+            host[at[2]:at[2] + s] = self.fresh
+            host[at[3]:at[3] + s][list(self.hold)] = 1
+            dev = torch.from_numpy(host).to(device)
+            self.device = (dev[:8 * s].view(torch.int64), dev[at[1]:at[1] + 4 * (s + 1)].view(
+                torch.int32), dev[at[2]:at[2] + s].view(torch.bool),
+                dev[at[3]:at[3] + s].view(torch.bool))
+        return self.device
 
 
 # --------------------------------------------------------------------------- paged attention

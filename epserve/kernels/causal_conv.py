@@ -63,7 +63,8 @@ def causal_conv1d_ref(x: torch.Tensor, weight: torch.Tensor, state: torch.Tensor
 
 def causal_conv_step(x: torch.Tensor, weight: torch.Tensor, state_pool: torch.Tensor,
                      slots: torch.Tensor, fresh: torch.Tensor, cu_seqlens: Sequence[int],
-                     decode: bool, hold: Sequence[int] = ()) -> torch.Tensor:
+                     decode: bool, hold: Sequence[int] = (),
+                     varlen: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
     """``causal_conv1d_ref`` (SiLU applied) over the per-slot pool, in place (see the module).
 
     x: [T, C] packed tokens (``cu_seqlens``: S + 1 host offsets); weight: [C, K]; state_pool:
@@ -71,7 +72,10 @@ def causal_conv_step(x: torch.Tensor, weight: torch.Tensor, state_pool: torch.Te
     from zeros); ``decode``: every sequence has one token (``cu_seqlens`` is ``0, 1, .., S``:
     trusted, not read, so a CUDA graph may hold placeholders); ``hold``: host indices of
     sequences whose new state is not written back (``dispatch.scatter_states``; never on a
-    decode step). Returns y [T, C] in x's dtype."""
+    decode step); ``varlen``: the step's offsets [S + 1] int32 and hold mask [S] bool already on
+    the device (``kernels.attention.StateRuns``; the truth a CUDA graph replays), which the
+    varlen kernel then reads instead of a copy of ``cu_seqlens`` and ``hold``. Returns y [T, C]
+    in x's dtype."""
     name = "causal_conv_step"
     if x.dim() != 2 or weight.dim() != 2 or weight.shape[0] != x.shape[1] or weight.shape[1] < 1:
         raise ValueError(f"{name}: x {tuple(x.shape)} must be [T, C] and weight "
@@ -91,7 +95,7 @@ def causal_conv_step(x: torch.Tensor, weight: torch.Tensor, state_pool: torch.Te
         from epserve.kernels.triton.causal_conv_update import causal_conv_varlen_triton
 
         return causal_conv_varlen_triton(x, weight, state_pool, slots, fresh,
-                                         *varlen_tensors(cu_seqlens, hold, x.device))
+                                         *(varlen or varlen_tensors(cu_seqlens, hold, x.device)))
     fla_conv = fla_function(x, "fla.modules.causal_conv1d", "causal_conv1d")
     if fla_conv is not None and x.dtype in DTYPES and kw >= 2:
         return _conv_fla(fla_conv, x, weight, state_pool, slots, fresh, cu_seqlens, hold)

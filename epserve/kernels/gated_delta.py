@@ -207,11 +207,14 @@ def gated_delta_step_gates(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, a:
                            b: torch.Tensor, A_log: torch.Tensor, dt_bias: torch.Tensor,
                            state_pool: torch.Tensor, slots: torch.Tensor, fresh: torch.Tensor,
                            cu_seqlens: Sequence[int], decode: bool,
-                           hold: Sequence[int] = ()) -> torch.Tensor:
+                           hold: Sequence[int] = (),
+                           varlen: tuple[torch.Tensor, torch.Tensor] | None = None
+                           ) -> torch.Tensor:
     """``gated_delta_step(q, k, v, *delta_gates_ref(a, b, A_log, dt_bias), state_pool, slots,
     fresh, cu_seqlens, decode, hold)``: a, b [T, Hv] (any strides), A_log, dt_bias [Hv]. On a
     decode step or a short one (``dispatch.short_step``) the Triton kernel computes g and beta
-    itself."""
+    itself; ``varlen`` as for ``causal_conv.causal_conv_step`` (the step's device offsets and
+    hold mask, read by that kernel instead of a copy of ``cu_seqlens`` and ``hold``)."""
     name = "gated_delta_step_gates"
     _check_step(name, q, k, v, state_pool, slots, fresh, cu_seqlens, decode, hold)
     t, hv = q.shape[0], v.shape[1]
@@ -230,7 +233,7 @@ def gated_delta_step_gates(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, a:
         from epserve.kernels.triton.gated_delta_decode import gated_delta_varlen_triton
 
         return gated_delta_varlen_triton(q, k, v, a, b, state_pool, slots, fresh,
-                                         *varlen_tensors(cu_seqlens, hold, v.device),
+                                         *(varlen or varlen_tensors(cu_seqlens, hold, v.device)),
                                          gates=(A_log.contiguous(), dt_bias.contiguous()))
     g, beta = delta_gates_ref(a, b, A_log, dt_bias)
     return gated_delta_step(q, k, v, g, beta, state_pool, slots, fresh, cu_seqlens, decode, hold)

@@ -33,7 +33,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from epserve.kernels.attention import AttentionMetadata
+from epserve.kernels.attention import AttentionMetadata, StateRuns
 from epserve.kernels.causal_conv import causal_conv_step
 from epserve.kernels.deltanet_proj import gated_norm_out_proj, in_proj_conv
 from epserve.kernels.gated_delta import gated_delta_step_gates
@@ -84,32 +84,30 @@ class GatedDeltaNet(nn.Module):
         still runs the layers for the MoE collectives) needs no ``state_slots``."""
         if meta.num_seqs == 0:
             return x.new_zeros(x.shape[0], self.out_proj.weight.shape[0])
-        if meta.state_slots is None:
+        if meta.state_slots is None and meta.state_runs is None:
             raise ValueError("GatedDeltaNet: AttentionMetadata.state_slots is required "
                              "(each sequence's state slot)")
         qsl = meta.query_start_loc
         if qsl[0] != 0:
             raise ValueError(f"GatedDeltaNet: query_start_loc must start at 0, got {qsl[0]}")
-        t, n = x.shape[0], qsl[-1]
+        runs = meta.state_runs
+        t, n = x.shape[0], (qsl[-1] if runs is None else runs.cu[-1])
         hv, dv = self.num_v_heads, self.head_v_dim
         conv_state, rec_state = states
-        slots, hold = meta.state_slots, meta.state_hold
-        fresh = fresh_sequences(meta, x.device)  # [S]
-        decode = qsl == tuple(range(len(qsl)))
-        if hold:  # a verify's rows: what folding an accepted prefix in needs
+        if runs is not None:  # a verify's rows: logged, the held runs' states not written
             proj = linear(x[:n], self.in_proj.weight)  # [n, C + Hv Dv + 2 Hv]
             mixed, z, b, a = proj.split([self.conv_dim, self.value_dim, hv, hv], dim=-1)
-            if len(hold) == meta.num_seqs:  # every row held (a pure verify): no gather
-                meta.state_log.append((mixed, a, b))
-            else:
-                rows = held_rows(meta, x.device)
-                meta.state_log.append((mixed[rows], a[rows], b[rows]))
-            mixed = causal_conv_step(mixed, self.conv_weight, conv_state, slots, fresh, qsl,
-                                     decode, hold)  # SiLU'd
+            runs.log.append((mixed, a, b))
+            slots, cu, fresh, hold = runs.tensors(x.device)
+            mixed = causal_conv_step(mixed, self.conv_weight, conv_state, slots, fresh, runs.cu,
+                                     False, runs.hold, (cu, hold))  # SiLU'd
             o = gated_delta_step_gates(*self._qkv(mixed), a, b, self.A_log, self.dt_bias,
-                                       rec_state, slots, fresh, qsl, decode,
-                                       hold)  # [n, Hv, Dv]
+                                       rec_state, slots, fresh, runs.cu, False, runs.hold,
+                                       (cu, hold))  # [n, Hv, Dv]
         else:  # the conv in the projection's launch and g, beta in the decode kernel's (CUDA)
+            slots = meta.state_slots
+            fresh = fresh_sequences(meta, x.device)  # [S]
+            decode = qsl == tuple(range(len(qsl)))
             mixed, rest = in_proj_conv(x[:n], self.in_proj.weight, self.conv_weight,
                                        conv_state, slots, fresh, qsl, decode)  # SiLU'd
             z, b, a = rest.split([self.value_dim, hv, hv], dim=-1)
@@ -130,27 +128,20 @@ class GatedDeltaNet(nn.Module):
                 mixed[:, 2 * kd:].reshape(n, self.num_v_heads, self.head_v_dim))
 
     def fold(self, logged: tuple[torch.Tensor, torch.Tensor, torch.Tensor], states: StatePair,
-             slots: torch.Tensor, lens: list[int], kept: list[int]) -> None:
-        """Advance held sequences' states by the first ``kept[i]`` of their ``lens[i]`` logged
-        tokens (what ``forward`` appended to ``meta.state_log`` for them: conv inputs and the
-        projections a, b), in place at ``slots``: the states become those of a plain decode of
-        the kept tokens. ``kept[i]`` in 1..``lens[i]``."""
+             runs: StateRuns, first: int) -> None:
+        """Advance held sequences' states by an accepted prefix of their logged tokens (what
+        ``forward`` appended to ``StateRuns.log``: every row's conv inputs and projections a,
+        b), in place: the states become those of a plain decode of the kept tokens. ``runs``
+        (``fold_runs``) covers the logged rows from ``first`` on: each kept prefix a run into
+        its sequence's slot, every other row a held run (computed, never stored)."""
         x, a, b = logged
-        starts = [0]
-        for n in lens:
-            starts.append(starts[-1] + n)
-        idx = [r for s, m in zip(starts, kept) for r in range(s, s + m)]
-        rows = None if kept == lens else torch.tensor(idx, device=x.device)  # all: no gather
-        pick = (lambda t: t) if rows is None else (lambda t: t[rows])  # noqa: E731
-        cu = [0]
-        for m in kept:
-            cu.append(cu[-1] + m)
-        fresh = torch.zeros(len(kept), dtype=torch.bool, device=x.device)
-        # never "decode" (even when every kept count is 1): the verify's own varlen kernels,
-        # no other variant to compile while serving
-        mixed = causal_conv_step(pick(x), self.conv_weight, states[0], slots, fresh, cu, False)
-        gated_delta_step_gates(*self._qkv(mixed), pick(a), pick(b), self.A_log, self.dt_bias,
-                               states[1], slots, fresh, cu, False)
+        n = first + runs.cu[-1]
+        slots, cu, fresh, hold = runs.tensors(x.device)
+        mixed = causal_conv_step(x[first:n], self.conv_weight, states[0], slots, fresh, runs.cu,
+                                 False, runs.hold, (cu, hold))
+        gated_delta_step_gates(*self._qkv(mixed), a[first:n], b[first:n], self.A_log,
+                               self.dt_bias, states[1], slots, fresh, runs.cu, False, runs.hold,
+                               (cu, hold))
 
     def cache_spec(self) -> StateCacheSpec:
         return StateCacheSpec(conv_shape=(self.conv_dim, self.conv_kernel - 1),
@@ -190,19 +181,38 @@ def fresh_sequences(meta: AttentionMetadata, device: torch.device) -> torch.Tens
     return mask
 
 
-_HELD_CACHE: list = [None, None, None]  # [meta, device, rows]: one step's layers share it
+def fold_runs(runs: StateRuns, kept: list[int]) -> tuple[StateRuns, int]:
+    """The runs ``GatedDeltaNet.fold`` takes after a verify with ``runs`` whose held runs keep
+    their first ``kept[i]`` rows (in hold order; each in 1..its length), and the first logged
+    row they cover (the first held run's): a held run's kept prefix advances its slot; its
+    other rows, and any row between held runs, run as held runs on a fresh state (never read,
+    never stored), so the rows stay one contiguous block without a gather."""
+    cu, held = runs.cu, runs.hold
+    if len(kept) != len(held):
+        raise ValueError(f"fold: {len(kept)} verdicts for {len(held)} held sequences")
+    lens = [cu[h + 1] - cu[h] for h in held]
+    if not all(1 <= m <= n for m, n in zip(kept, lens)):
+        raise ValueError(f"fold: kept {kept} outside 1..{lens}")
+    if not held:
+        raise ValueError("fold: no held sequences")
+    first, at = cu[min(held)], cu[min(held)]
+    offs, slots, fresh, hold = [0], [], [], []
 
+    def run(end: int, slot: int, new: bool, store: bool) -> None:
+        offs.append(end - first)
+        slots.append(slot)
+        fresh.append(new)
+        if not store:
+            hold.append(len(slots) - 1)
 
-def held_rows(meta: AttentionMetadata, device: torch.device) -> torch.Tensor:
-    """The rows of ``meta.state_hold``'s sequences, in hold order (int64 on ``device``)."""
-    c = _HELD_CACHE
-    if c[0] is meta and c[1] == device:
-        return c[2]
-    qsl = meta.query_start_loc
-    rows = torch.tensor([r for h in meta.state_hold for r in range(qsl[h], qsl[h + 1])],
-                        dtype=torch.int64, device=device)
-    c[:] = [meta, device, rows]
-    return rows
+    for h, m in sorted(zip(held, kept)):
+        if cu[h] > at:  # rows between held runs
+            run(cu[h], int(runs.slots[h]), True, False)
+        run(cu[h] + m, int(runs.slots[h]), bool(runs.fresh[h]), True)
+        if m < lens[held.index(h)]:
+            run(cu[h + 1], int(runs.slots[h]), True, False)
+        at = cu[h + 1]
+    return StateRuns(tuple(offs), slots, fresh, tuple(hold)), first
 
 
 # --------------------------------------------------------------------------- weight names

@@ -29,7 +29,7 @@ from epserve.kernels.shared_expert import shared_expert_add
 from epserve.models.causal_lm import DecoderOnlyLM, pre_norm_block
 from epserve.models.config import ModelConfig
 from epserve.models.gated_attention import GatedAttention, map_gated_attention
-from epserve.models.gated_deltanet import (GatedDeltaNet, map_deltanet_grouped,
+from epserve.models.gated_deltanet import (GatedDeltaNet, fold_runs, map_deltanet_grouped,
                                            map_deltanet_split)
 from epserve.models.layer_cache import LayerCacheSpec
 from epserve.models.layers import (DenseMLP, RotaryEmbedding, SparseMoeBlock, WeightMap,
@@ -113,20 +113,17 @@ class _HybridMoeLM(DecoderOnlyLM):
         return HybridDecoderLayer(self.cfg, layer_idx, ffn)
 
     def fold_held_states(self, caches: list, meta: AttentionMetadata, kept: list[int]) -> None:
-        """After a step with held sequences (``meta.state_hold``, a speculative verify's),
-        advance each one's DeltaNet states by its first ``kept[i]`` tokens (the accepted
-        drafts and the fed token before them), layer by layer from ``meta.state_log``."""
-        qsl, hold = meta.query_start_loc, meta.state_hold
-        if len(kept) != len(hold):
-            raise ValueError(f"fold: {len(kept)} verdicts for {len(hold)} held sequences")
-        lens = [qsl[h + 1] - qsl[h] for h in hold]
-        if not all(1 <= m <= n for m, n in zip(kept, lens)):
-            raise ValueError(f"fold: kept {kept} outside 1..{lens}")
-        slots = meta.state_slots[torch.tensor(hold, device=meta.state_slots.device)]
-        logged = iter(meta.state_log)
+        """After a step with held runs (``meta.state_runs``, a speculative verify's), advance
+        each one's DeltaNet states by its first ``kept[i]`` tokens (the fed token and the
+        accepted drafts), layer by layer from ``StateRuns.log``."""
+        runs = meta.state_runs
+        if runs is None:
+            raise ValueError("fold: the step held no recurrent state")
+        fold, first = fold_runs(runs, kept)
+        logged = iter(runs.log)
         for layer, cache in zip(self.layers, caches):
             if isinstance(layer.mixer, GatedDeltaNet):
-                layer.mixer.fold(next(logged), cache, slots, lens, kept)
+                layer.mixer.fold(next(logged), cache, fold, first)
 
     def load_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
         """Load, leaving out (with one log line each) the tensors under ``unused``."""

@@ -16,7 +16,7 @@ from typing import Any, Sequence
 import numpy as np
 import torch
 
-from epserve.kernels.attention import AttentionMetadata
+from epserve.kernels.attention import AttentionMetadata, StateRuns
 from epserve.models.traits import RowSampling
 from epserve.worker.step_buffers import Cut, StepBuffers
 from epserve.worker.step_buffers import align as _align
@@ -30,9 +30,9 @@ class VerifyRun:
     batch each position is a one-token row of its own (``RankRows``): it attends to the
     sequence's KV up to itself, which the step writes for every position first, so a verify is
     a decode batch whose rows share a block table (the decode kernels and graphs run it). For
-    a model with recurrent state (``RankRows.recurrent``) the row is instead one sequence of
-    ``k + 1`` tokens (they run through the state in order) whose states are held and folded
-    in after the verdict (``AttentionMetadata.state_hold``)."""
+    a model with recurrent state (``RankRows.recurrent``) its recurrent layers run the k + 1
+    positions as one sequence, in order, from the sequence's state, held and folded in after
+    the verdict (``kernels.attention.StateRuns``)."""
 
     slot: int
     start: int
@@ -53,8 +53,8 @@ class RankRows:
     positions with and each position's next-token target (-1: none), or None;
     ``mask_rows`` / ``mask_words``: the constrained sampled rows (indices into ``sampling``,
     [M] int64) and their token masks ([M, ceil(V / 32)] int32), None when no row has one;
-    ``recurrent``: the model keeps recurrent state, so each verify row is one sequence of the
-    step's layout (see ``VerifyRun``), the same tokens in the same order; ``penalties``: the
+    ``recurrent``: the model keeps recurrent state, so a step with verify rows carries its
+    recurrent layers' runs (see ``VerifyRun``); ``penalties``: the
     penalized sampled rows' ``worker.penalties.PenaltyTable``, None when no row has one.
     """
 
@@ -77,15 +77,12 @@ class RankRows:
 
     @property
     def chunked(self) -> bool:
-        """Sequences of more than one token in the layout (prefill chunks, or a recurrent
-        model's verify rows)."""
-        return bool(self.prefill) or (self.recurrent and bool(self.verify))
+        """Sequences of more than one token in the layout (prefill chunks)."""
+        return bool(self.prefill)
 
     @property
     def first_prefill_seq(self) -> int:
         """The index of the first prefill chunk among the layout's sequences."""
-        if self.recurrent and self.verify:
-            return self.num_decode - self.num_verify_positions + len(self.verify)
         return self.num_decode
 
     @property
@@ -150,19 +147,7 @@ def build_step_inputs(rows: RankRows, tables: BlockTables, block_size: int,
     ids, pos, kv = [rows.decode_ids], [dpos], [tables.kv_slots(rows.decode_slots, dpos, bs)]
     sample_index = list(range(nd))
     sampled_prefill = []
-    hold: tuple[int, ...] = ()
-    if rows.recurrent and rows.verify:  # each verify row one sequence, its states held
-        if not states:
-            raise ValueError("a recurrent model's verify rows need the state-slot section")
-        plain = nd - rows.num_verify_positions
-        seq_lens = [dpos[:plain] + 1, np.array([v.start + len(v.tokens) for v in rows.verify])]
-        qsl = list(range(plain + 1))
-        for v in rows.verify:
-            qsl.append(qsl[-1] + len(v.tokens))
-        slots = [rows.decode_slots[:plain], np.array([v.slot for v in rows.verify])]
-        hold = tuple(range(plain, plain + len(rows.verify)))
-    else:
-        seq_lens, qsl, slots = [dpos + 1], list(range(nd + 1)), [rows.decode_slots]
+    seq_lens, qsl, slots = [dpos + 1], list(range(nd + 1)), [rows.decode_slots]
     for r, row in enumerate(rows.prefill):
         n, start = len(row.tokens), row.start
         p = np.arange(start, start + n, dtype=np.int64)
@@ -189,7 +174,7 @@ def build_step_inputs(rows: RankRows, tables: BlockTables, block_size: int,
     if states:
         v64[3 * n2 + _align(nr, 2):][:ns] = row_slots
     v32[ns4:ns4 + ns * width].reshape(ns, width)[:] = tables.np[row_slots, :width]
-    return _finish(rows, cut, tuple(qsl), lens, tuple(sampled_prefill), bs, hold)
+    return _finish(rows, cut, tuple(qsl), lens, tuple(sampled_prefill), bs)
 
 
 def _decode_inputs(rows: RankRows, tables: BlockTables, bs: int, bufs: StepBuffers,
@@ -229,9 +214,24 @@ def _ranges(n: int) -> tuple[int, ...]:
     return r
 
 
+def state_runs(rows: RankRows) -> StateRuns:
+    """A recurrent model's runs of a step with verify rows: each plain decode row alone, each
+    verify row's positions one held run, each prefill chunk (the layout's row order)."""
+    plain = rows.num_decode - rows.num_verify_positions
+    lens = [1] * plain + [len(v.tokens) for v in rows.verify] + [len(p.tokens)
+                                                                  for p in rows.prefill]
+    cu = np.zeros(len(lens) + 1, dtype=np.int64)
+    np.cumsum(lens, out=cu[1:])
+    slots = np.concatenate([rows.decode_slots[:plain], [v.slot for v in rows.verify],
+                            [p.slot for p in rows.prefill]]).astype(np.int64)
+    fresh = np.concatenate([rows.decode_pos[:plain] == 0, [v.start == 0 for v in rows.verify],
+                            [p.start == 0 for p in rows.prefill]]).astype(bool)
+    return StateRuns(tuple(cu.tolist()), slots, fresh,
+                     tuple(range(plain, plain + len(rows.verify))))
+
+
 def _finish(rows: RankRows, cut: Cut, qsl: tuple[int, ...], lens: np.ndarray,
-            sampled_prefill: tuple[int, ...], bs: int,
-            hold: tuple[int, ...] = ()) -> StepInputs:
+            sampled_prefill: tuple[int, ...], bs: int) -> StepInputs:
     """Copy the written buffer to the device (nothing to copy on the CPU) and hand out the
     step's tensors (its layout's views)."""
     cut.ship()
@@ -243,8 +243,7 @@ def _finish(rows: RankRows, cut: Cut, qsl: tuple[int, ...], lens: np.ndarray,
         block_size=bs,
         seq_lens_t=cut.lens if not rows.chunked else None,
         state_slots=cut.state_slots,
-        state_hold=hold,
-        state_log=[] if hold else None,
+        state_runs=state_runs(rows) if rows.recurrent and rows.verify else None,
     )
     return StepInputs(input_ids=cut.ids, positions=cut.pos, meta=meta, sample_index=cut.sample,
                       rows=rows, sampled_prefill=sampled_prefill)

@@ -12,6 +12,14 @@ kernel). Steps with any prefill row run eagerly. Everything the captured
 forward reads per step lives in the static buffers below; lengths reach attention through
 ``AttentionMetadata.seq_lens_t`` (the host tuple holds placeholders at capture time).
 
+A model with recurrent state captures a second set for speculative verify steps (``runs``):
+the same rows for attention, and the recurrent layers' ``StateRuns`` in static buffers too
+(offsets, state slots, fresh and hold flags, with ``rows`` sequences at most: a rung's grid),
+so one graph replays any grouping of its rows into runs of up to ``MAX_SHORT_TOKENS``. A
+step's runs are followed by its padding rows, one held one-row run each on the spare slot,
+then empty held runs; each layer's logged projections (``StateRuns.log``, what the fold
+reads) are the graph's own tensors, valid until the next replay.
+
 Only for a single rank: an EP step's expert exchange runs collectives on a host-driven group,
 which a graph cannot replay.
 """
@@ -23,9 +31,10 @@ import logging
 import time
 from typing import Callable
 
+import numpy as np
 import torch
 
-from epserve.kernels.attention import AttentionMetadata
+from epserve.kernels.attention import AttentionMetadata, StateRuns
 from epserve.models.traits import DECODE_BATCH_LADDER, padded_batch_n
 from epserve.worker.batch import StepInputs
 
@@ -62,7 +71,8 @@ class DecodeGraphs:
     def __init__(self, forward: Forward, device: torch.device, block_size: int,
                  max_batch: int, max_blocks: int, spare_state_slot: int | None = None):
         self.forward, self.device, self.block_size = forward, device, block_size
-        self.rungs = [1] + [r for r in DECODE_BATCH_LADDER if r <= graph_batch(max_batch)]
+        self.rungs = [1] * (not runs) + [r for r in DECODE_BATCH_LADDER
+                                         if r <= graph_batch(max_batch)]
         top = DECODE_BATCH_LADDER[-1]
         self.rungs += list(range(top + ABOVE_LADDER_STEP, graph_batch(max_batch) + 1,
                                  ABOVE_LADDER_STEP))
@@ -77,15 +87,26 @@ class DecodeGraphs:
         self.spare_state_slot = spare_state_slot
         self.state_slots = (None if spare_state_slot is None else
                             torch.full((top,), spare_state_slot, dtype=torch.int64, device=device))
-        self._graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
+        self._graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor, list]] = {}
         self.capture_s = 0.0
+        self.replays = 0
+        self._runs = None if not runs else _RunsBuffers(top, device)
+
+    def _state_runs(self, b: int) -> StateRuns | None:
+        """Rung ``b``'s runs: the static buffers (the truth at replay) behind placeholders,
+        every row a held one-row run on the spare slot, as ``_RunsBuffers`` starts."""
+        if self._runs is None:
+            return None
+        return StateRuns(tuple(range(b + 1)), np.full(b, self.spare_state_slot),
+                         np.ones(b, dtype=bool), tuple(range(b)), self._runs.views(b))
 
     def _meta(self, b: int) -> AttentionMetadata:
         return AttentionMetadata(
             slot_mapping=self.slots[:b], query_start_loc=tuple(range(b + 1)),
             seq_lens=(1,) * b, block_tables=self.block_tables[:b], block_size=self.block_size,
             seq_lens_t=self.seq_lens[:b],
-            state_slots=None if self.state_slots is None else self.state_slots[:b])
+            state_slots=None if self.state_slots is None else self.state_slots[:b],
+            state_runs=self._state_runs(b))
 
     @torch.inference_mode()
     def capture(self) -> None:
@@ -96,22 +117,23 @@ class DecodeGraphs:
         pool = torch.cuda.graph_pool_handle()
         torch.cuda.synchronize(self.device)
         for b in sorted(self.rungs, reverse=True):
-            meta = self._meta(b)
             ids, pos = self.input_ids[:b], self.positions[:b]
             side = torch.cuda.Stream(self.device)
             side.wait_stream(torch.cuda.current_stream(self.device))
             with torch.cuda.stream(side):
                 for _ in range(2):
-                    self.forward(ids, pos, meta)
+                    self.forward(ids, pos, self._meta(b))
             torch.cuda.current_stream(self.device).wait_stream(side)
             graph = torch.cuda.CUDAGraph()
+            meta = self._meta(b)
             with torch.cuda.graph(graph, pool=pool):
                 out = self.forward(ids, pos, meta)
-            self._graphs[b] = (graph, out)
+            runs = meta.state_runs
+            self._graphs[b] = (graph, out, [] if runs is None else runs.log)
         torch.cuda.synchronize(self.device)
         self.capture_s = time.perf_counter() - t0
-        log.info("captured %d decode CUDA graphs (rungs %s) in %.1f s", len(self._graphs),
-                 self.rungs, self.capture_s)
+        log.info("captured %d %s CUDA graphs (rungs %s) in %.1f s", len(self._graphs),
+                 "verify" if self._runs is not None else "decode", self.rungs, self.capture_s)
 
     def covers_rows(self, n: int) -> bool:
         """A decode step of ``n`` rows has a graph."""
@@ -123,8 +145,11 @@ class DecodeGraphs:
         the graph's output buffer: valid until the next replay)."""
         n = inp.rows.num_decode
         b = graph_batch(n)
-        graph, out = self._graphs[b]
+        graph, out, logged = self._graphs[b]
         meta = inp.meta
+        if self._runs is not None:
+            self._runs.load(meta.state_runs, n, b, self.spare_state_slot)
+            meta.state_runs.log[:] = logged
         self.input_ids[:n].copy_(inp.input_ids if input_ids is None else input_ids,
                                  non_blocking=True)
         self.positions[:n].copy_(inp.positions, non_blocking=True)
@@ -143,4 +168,50 @@ class DecodeGraphs:
             if self.state_slots is not None:
                 self.state_slots[n:b].fill_(self.spare_state_slot)
         graph.replay()
+        self.replays += 1
         return out[:n]
+
+
+class _RunsBuffers:
+    """A verify set's static ``StateRuns`` tensors for up to ``top`` rows (one device buffer,
+    one pinned host twin: a step's runs are one copy), sections 16-byte aligned as
+    ``StateRuns.tensors`` lays them out."""
+
+    def __init__(self, top: int, device: torch.device):
+        self.at = at = [0]
+        for size in (8 * top, 4 * (top + 1), top):
+            at.append(-(-(at[-1] + size) // 16) * 16)
+        words = -(-(at[3] + top) // 8)
+        self.host = torch.zeros(8 * words, dtype=torch.uint8, pin_memory=True)
+        self.dev = torch.empty(8 * words, dtype=torch.uint8, device=device)
+        self.copied = torch.cuda.Event()
+        h = self.host.numpy()
+        self.slots = h[:8 * top].view(np.int64)
+        self.cu = h[at[1]:at[1] + 4 * (top + 1)].view(np.int32)
+        self.fresh, self.hold = h[at[2]:at[2] + top], h[at[3]:at[3] + top]
+        self.slots[:], self.cu[:], self.fresh[:], self.hold[:] = 0, np.arange(top + 1), 1, 1
+        self.dev.copy_(self.host)
+
+    def views(self, b: int) -> tuple[torch.Tensor, ...]:
+        d, at = self.dev, self.at
+        return (d[:8 * b].view(torch.int64), d[at[1]:at[1] + 4 * (b + 1)].view(torch.int32),
+                d[at[2]:at[2] + b].view(torch.bool), d[at[3]:at[3] + b].view(torch.bool))
+
+    def load(self, runs: StateRuns, n: int, b: int, spare: int) -> None:
+        """``runs`` (over ``n`` rows) into rung ``b``'s buffers: then each padding row a held
+        one-row run on the spare slot, then empty held runs up to ``b``."""
+        s = runs.num_runs
+        if runs.cu[-1] != n or s > n:
+            raise ValueError(f"verify graph: runs over {runs.cu[-1]} rows, the step has {n}")
+        self.copied.synchronize()  # the last load's copy has run
+        self.slots[:s], self.slots[s:b] = runs.slots, spare
+        self.cu[:s + 1] = runs.cu
+        self.cu[s + 1:s + 1 + b - n] = np.arange(n + 1, b + 1)
+        self.cu[s + 1 + b - n:b + 1] = b
+        self.fresh[:s], self.fresh[s:b] = runs.fresh, 1
+        self.hold[:b] = 0
+        self.hold[list(runs.hold)] = 1
+        self.hold[s:b] = 1
+        end = self.at[3] + b
+        self.dev[:end].copy_(self.host[:end], non_blocking=True)
+        self.copied.record()

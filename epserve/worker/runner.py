@@ -24,7 +24,7 @@ from epserve.models.layer_cache import KvCacheSpec, StateCacheSpec, allocate_sta
 from epserve.models.loader import load_model
 from epserve.models.mtp import load_mtp_head
 from epserve.models.parallel import ParallelInfo
-from epserve.models.traits import PromptTokenLogprob, SampledToken
+from epserve.models.traits import DECODE_BATCH_LADDER, PromptTokenLogprob, SampledToken
 from epserve.worker.batch import BlockTables, RankRows, StepInputs, build_step_inputs
 from epserve.worker.cuda_graphs import DecodeGraphs
 from epserve.worker.lookahead import DecodeLookahead
@@ -110,6 +110,14 @@ class Runner:
                                        cfg.max_num_seqs, self.tables.max_blocks_per_seq,
                                        self.spare_state_slot)
             self.graphs.capture()
+        self.verify_graphs: DecodeGraphs | None = None  # a recurrent model's verify steps
+        if self.graphs is not None and self.spare_state_slot is not None and \
+                cfg.speculative_tokens:
+            self.verify_graphs = DecodeGraphs(
+                self._forward, self.device, self.block_size,
+                min(DECODE_BATCH_LADDER[-1], cfg.max_num_seqs * (cfg.speculative_tokens + 1)),
+                self.tables.max_blocks_per_seq, self.spare_state_slot, runs=True)
+            self.verify_graphs.capture()
         self.buffers = StepBuffers(self.device)  # the step inputs' memory, reused
         self.lookahead: DecodeLookahead | None = None
         lookahead = cfg.decode_lookahead
@@ -201,9 +209,9 @@ class Runner:
         plps: dict[int, list[PromptTokenLogprob]] = {}
         if hidden is None:
             assert inp is not None
-            if self.graphs is not None and not rows.chunked and self.graphs.covers_rows(
-                    rows.num_decode):
-                hidden = self.graphs.run(inp)  # [n, H]
+            graphs = self.graphs if inp.meta.state_runs is None else self.verify_graphs
+            if graphs is not None and not rows.chunked and graphs.covers_rows(rows.num_decode):
+                hidden = graphs.run(inp)  # [n, H]
             else:
                 hidden = self._forward(inp.input_ids, inp.positions, inp.meta)  # [T, H]
             self._hidden = hidden if self.mtp is not None else None

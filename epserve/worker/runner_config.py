@@ -25,7 +25,9 @@ class RunnerConfig:
     ``max_logprobs``: the engine's bound on a row's logprobs (-1: the vocabulary size), which
     the rank's validator holds every command to. ``mtp_drafts`` > 0: load the checkpoint's
     MTP head and draft that many tokens per sampled sequence after each step
-    (``worker.mtp_drafter``; ``speculative_config`` method ``mtp``)."""
+    (``worker.mtp_drafter``; ``speculative_config`` method ``mtp``). ``speculative_tokens``:
+    drafts a verify row may carry (any method): a model with recurrent state then captures
+    verify graphs beside the decode graphs (``worker.cuda_graphs``)."""
 
     model: str
     dtype: str = "auto"
@@ -45,6 +47,7 @@ class RunnerConfig:
     decode_lookahead: bool | None = None
     max_logprobs: int = MAX_LOGPROBS
     mtp_drafts: int = 0
+    speculative_tokens: int = 0
 
 
 def resolve_device(name: str) -> torch.device:

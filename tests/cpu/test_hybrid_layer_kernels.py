@@ -21,10 +21,10 @@ if not HAS_TRITON:
 
 import torch  # noqa: E402
 
-from epserve.kernels.attention import AttentionMetadata  # noqa: E402
+from epserve.kernels.attention import AttentionMetadata, StateRuns  # noqa: E402
 from epserve.models.config import ModelConfig  # noqa: E402
 from epserve.models.gated_attention import GatedAttention  # noqa: E402
-from epserve.models.gated_deltanet import GatedDeltaNet  # noqa: E402
+from epserve.models.gated_deltanet import GatedDeltaNet, fold_runs  # noqa: E402
 from epserve.models.layers import RotaryEmbedding, ZeroCentredRMSNorm  # noqa: E402
 
 _NAMES = ("norm", "linear", "causal_conv_update", "gated_delta_decode", "rope", "rope_decode",
@@ -166,37 +166,66 @@ def test_layer_on_the_kernels_follows_the_reference(layer_type, prompt_lens, mon
         torch.testing.assert_close(g, w, **TOL)
 
 
-def test_held_verify_logs_gates_and_folds_on_the_kernel_path(monkeypatch):
-    """A verify of 3 tokens for sequence 0 (held) beside a one-token row of sequence 1, on the
-    interpreted path: g and beta are logged as tensors for the held rows, the held state is
-    untouched until ``fold``, which leaves it as a plain decode of the 2 kept tokens."""
-    use_interpreted(monkeypatch, _NAMES, _MODS)
+@pytest.mark.parametrize("interpreted", [True, False], ids=["kernels", "reference"])
+def test_held_verify_runs_log_and_fold_to_a_plain_decode(interpreted, monkeypatch):
+    """A step of 6 one-token rows (as attention sees them): a plain decode row of sequence 0,
+    then verifies of 3 and 2 tokens for sequences 1 and 2, held (``StateRuns``). The held
+    states are untouched by the step, every row's projections are logged, and ``fold`` of 2
+    and 1 kept tokens leaves each state as a plain decode of its kept tokens, while the plain
+    row's state advanced in the step itself."""
+    if interpreted:
+        use_interpreted(monkeypatch, _NAMES, _MODS)
+    else:
+        monkeypatch.delenv("TRITON_INTERPRET", raising=False)
     cfg = _cfg("linear_attention")
     torch.manual_seed(0)
     layer = GatedDeltaNet(cfg)
     _init(layer, 1)
     spec = layer.cache_spec()
     gen = torch.Generator().manual_seed(3)
-    cache = (torch.randn(4, *spec.conv_shape, generator=gen),
-             torch.randn(4, *spec.recurrent_shape, generator=gen))
+    cache = (torch.randn(5, *spec.conv_shape, generator=gen),
+             torch.randn(5, *spec.recurrent_shape, generator=gen))
     plain = tuple(c.clone() for c in cache)
-    tables = torch.tensor([[1, 2, 3, 4], [5, 6, 7, 8]], dtype=torch.int32)
-    slots = torch.tensor([2, 1])
-    x = torch.randn(4, cfg.hidden_size, generator=gen)
-    log: list = []
-    meta, pos = _meta((0, 3, 4), (9, 6), False, tables, slots, state_hold=(0,), state_log=log)
+    tables = torch.tensor([[1, 2, 3, 4], [5, 6, 7, 8], [9, 10, 11, 0]], dtype=torch.int32)
+    slots, lens = [4, 2, 1], [5, 9, 6]  # each sequence's state slot and KV length before
+    x = torch.randn(6, cfg.hidden_size, generator=gen)
+    rows = [(0, 0), (1, 0), (1, 1), (1, 2), (2, 0), (2, 1)]  # (sequence, position offset)
+    meta, pos = _meta(tuple(range(7)), tuple(lens[s] + i + 1 for s, i in rows), False,
+                      tables[[s for s, _ in rows]], torch.tensor([slots[s] for s, _ in rows]),
+                      state_runs=StateRuns((0, 1, 4, 6), slots, [False] * 3, (1, 2)))
     with torch.no_grad():
         layer(pos, x, cache, meta)
-    (mixed, a, b), = log  # the held sequence's rows: conv inputs, the projections a and b
-    assert mixed.shape[0] == a.shape[0] == b.shape[0] == 3
-    assert torch.equal(cache[1][2], plain[1][2]) and torch.equal(cache[0][2], plain[0][2])
+    (mixed, a, b), = meta.state_runs.log  # every row: conv inputs, the projections a and b
+    assert mixed.shape[0] == a.shape[0] == b.shape[0] == 6
+    for s in (2, 1):  # the held states are as they were
+        assert torch.equal(cache[1][s], plain[1][s]) and torch.equal(cache[0][s], plain[0][s])
+    runs, first = fold_runs(meta.state_runs, [2, 1])
+    assert first == 1 and runs.cu == (0, 2, 3, 4, 5) and runs.hold == (1, 3)
     with torch.no_grad():
-        layer.fold(log[0], cache, slots[:1], [3], [2])
-        for i in range(2):  # the plain decode of the two kept tokens, one step each
-            m, p = _meta((0, 1), (8 + i,), True, tables[:1], slots[:1])
-            layer(p, x[i:i + 1], plain, m)
-    torch.testing.assert_close(cache[1][2], plain[1][2], **TOL)
-    torch.testing.assert_close(cache[0][2], plain[0][2], **TOL)
+        layer.fold((mixed, a, b), cache, runs, first)
+        for s, r in ((0, 0), (1, 1), (1, 2), (2, 4)):  # plain decodes of the kept tokens
+            m, p = _meta((0, 1), (lens[s] + 1,), True,  # (its KV length: unread here)
+                         tables[s:s + 1], torch.tensor([slots[s]]))
+            layer(p, x[r:r + 1], plain, m)
+    for s in slots:
+        torch.testing.assert_close(cache[1][s], plain[1][s], **TOL)
+        torch.testing.assert_close(cache[0][s], plain[0][s], **TOL)
+
+
+@pytest.mark.parametrize("runs", range(1, 10))
+def test_state_runs_reach_the_device_as_given(runs):
+    """``StateRuns.tensors`` (one packed copy) gives back the host's slots, offsets, fresh and
+    hold flags, whatever the number of runs (its sections must not overlap)."""
+    gen = torch.Generator().manual_seed(runs)
+    lens = torch.randint(0, 5, (runs,), generator=gen).tolist()
+    cu = tuple(int(x) for x in torch.tensor([0] + lens).cumsum(0))
+    slots = torch.randperm(20, generator=gen)[:runs].tolist()
+    fresh = (torch.rand(runs, generator=gen) < 0.5).tolist()
+    hold = tuple(i for i in range(runs) if i % 2)
+    got = StateRuns(cu, slots, fresh, hold).tensors(torch.device("cpu"))
+    assert [t.tolist() for t in got] == [slots, list(cu), fresh,
+                                         [i in hold for i in range(runs)]]
+    assert [t.dtype for t in got] == [torch.int64, torch.int32, torch.bool, torch.bool]
 
 
 def test_a_steps_layers_share_one_fresh_mask():

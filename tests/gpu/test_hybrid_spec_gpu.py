@@ -1,9 +1,9 @@
-"""Speculative decoding on a gated-DeltaNet hybrid on CUDA (skipped without a GPU): a verify row
-is one k+1-token sequence through fla-core's chunked kernels (or the references without fla)
-with its states held, the accepted prefix folded in by the decode kernels (one token) or the
-chunked ones; plain decode steps replay CUDA graphs. n-gram and MTP speculation change no
-token of the fp32 output (bf16 would let a held-then-folded state round differently from a
-decoded one), and the MTP head's drafts are mostly accepted."""
+"""Speculative decoding on a gated-DeltaNet hybrid on CUDA (skipped without a GPU): a verify
+step's k + 1 positions a row are one-token rows for attention and one held run for the
+recurrence (the varlen kernels), replayed from the verify CUDA graphs; the accepted prefix is
+folded in afterwards; plain decode steps replay the decode graphs. n-gram and MTP speculation
+change no token of the fp32 output (bf16 would let a held-then-folded state round differently
+from a decoded one), and the MTP head's drafts are mostly accepted."""
 
 from __future__ import annotations
 
@@ -32,10 +32,12 @@ def test_ngram_speculation_on_a_hybrid_changes_no_token(tmp_path, arch):
     spec = LLM(**_common(ckpt), speculative_config={
         "method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 3,
         "prompt_lookup_min": 1})
-    assert spec.model.runner.graphs is not None
+    runner = spec.model.runner
+    assert runner.graphs is not None and runner.verify_graphs is not None
     for sp in (GREEDY, SEEDED):
         want = [o.outputs[0].token_ids for o in plain.generate(reqs, sp)]
         assert [o.outputs[0].token_ids for o in spec.generate(reqs, sp)] == want
+    assert runner.verify_graphs.replays > 0  # the verify steps ran from their graphs
     st = spec.engine.stats.spec
     assert 0 < st.num_accepted_tokens < st.num_draft_tokens, st
 
@@ -47,5 +49,6 @@ def test_mtp_speculation_on_cuda_changes_no_token(trained_mtp_ckpt):
     spec = LLM(**_common(trained_mtp_ckpt),
                speculative_config={"method": "mtp", "num_speculative_tokens": 2})
     assert [o.outputs[0].token_ids for o in spec.generate(reqs, GREEDY)] == want
+    assert spec.model.runner.verify_graphs.replays > 0
     st = spec.engine.stats.spec
     assert st.num_accepted_tokens >= 0.5 * st.num_draft_tokens > 0, st
