@@ -66,7 +66,7 @@ export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1
 # DeltaNet ops' varlen kernels for verify, fold and short prompts, the lookahead's strided
 # state copies (test_cuda_graphs), the warm-up's varlen variants. tests-rest runs the others
 # (~4 min with those session 16 already ran).
-NEW="hybrid or gated_delta or cuda_graphs or warmup"
+NEW="hybrid or gated_delta or cuda_graphs or warmup or spec"
 case "$stage" in
   tests)
     python -m pytest -q tests/gpu -k "$NEW" 2>&1 | tee "$log" ;;

@@ -18,11 +18,13 @@ slots (a pure decode step: the Triton decode kernels on CUDA, CUDA-graph captura
 prefill: fla-core's kernels on CUDA where installed; the torch references otherwise, the
 recurrent form for a pure decode step, the chunked one else). Rows past
 ``query_start_loc[-1]`` are padding: output zeros, no state read or written. A speculative
-verify's sequences (``meta.state_hold``) run from their states but do not write them: the layer
-logs their conv inputs and the projections a, b (``meta.state_log``), and once the verdict is
-known ``fold`` advances each state by the accepted tokens only (so a rejected draft never
-touches a state). Every step hands a and b to ``gated_delta_step_gates``, whose decode and
-varlen kernels compute g and beta in their programs; a step without holds runs its projections
+verify's step (``meta.state_runs``: attention sees one-token rows, the layer runs) reads its
+runs' offsets, slots and flags from the device (a CUDA graph replays new ones); the held runs
+start from their states but do not write them: the layer logs every row's conv inputs and
+projections a, b (``StateRuns.log``), and once the verdict is known ``fold`` advances each
+state by the accepted tokens only (so a rejected draft never touches a state). Every step
+hands a and b to ``gated_delta_step_gates``, whose decode and varlen kernels compute g and
+beta in their programs; a step without runs runs its projections
 through ``deltanet_proj`` (``in_proj_conv``, ``gated_norm_out_proj``): a one-row decode step
 on CUDA is then three launches (the input projection with the conv update, the decode kernel,
 the gated norm with the output projection).

@@ -6,16 +6,21 @@ own over the target's block tables. After the target's forward and sampling, thi
 
 - pass 0 over every position the step computed whose next token is now known: a decode row's
   (next: its sampled token), a verify row's accepted prefix and the position after it (next:
-  the accepted drafts, then the target's token there; a rejected position is left out), a
-  prefill chunk's positions (next: the prompt's following tokens, then the chunk's
-  ``next_token`` or, on a prompt's last chunk, its sampled token). It writes the head's KV at
-  each of those positions (so the head's KV always covers what the target computed), and each
-  sampled sequence's last row gives its first draft (greedy);
+  the accepted drafts, then the target's token there; a rejected position is left out; each
+  position a one-token row, as in the verify), a prefill chunk's positions (next: the
+  prompt's following tokens, then the chunk's ``next_token`` or, on a prompt's last chunk,
+  its sampled token). It writes the head's KV at each of those positions (so the head's KV
+  always covers what the target computed), and each sampled sequence's last row gives its
+  first draft (greedy);
 - passes 1..k-1 chain: each drafting sequence one row at the next position, fed its last draft
   and the head's own output hidden (vLLM's chaining), while that position has a KV block (the
   leader reserves them with the step; a sequence without stops drafting early). A pass feeds
   the last one's drafts from the device, so the passes queue back to back and every draft is
   read back once, after the last (one host sync a step, not one a pass).
+
+A pass of one-token rows only (every chain pass; pass 0 of a step without prefill) replays a
+CUDA graph of the head (``graphs``: one ``DecodeGraphs`` per head layer, over a static buffer
+of the rows' input hidden states, which the pass copies in first).
 
 Invariants: drafts are greedy (deterministic), so verifying them is exact
 (``models.acceptance``); a position's head KV written by a chain pass is rewritten by pass 0
@@ -34,6 +39,7 @@ import torch
 from epserve.kernels.attention import AttentionMetadata
 from epserve.models.traits import SampledToken
 from epserve.worker.batch import BlockTables, RankRows, StepInputs, build_step_inputs
+from epserve.worker.cuda_graphs import DecodeGraphs, graph_batch
 from epserve.worker.step_command import PrefillRow
 
 
@@ -46,6 +52,25 @@ class MtpDrafter:
         self.head, self.caches, self.rope = head, caches, rope
         self.tables, self.block_size, self.device = tables, block_size, device
         self.k, self.world_size = k, world_size
+        self.graphs: list[DecodeGraphs] = []
+        self._hidden_in: torch.Tensor | None = None
+
+    def capture_graphs(self, max_rows: int) -> None:
+        """Capture the head's passes of up to ``max_rows`` one-token rows (CUDA, one rank),
+        one set per head layer."""
+        top = graph_batch(max_rows)
+        self._hidden_in = torch.zeros(top, self.head.cfg.hidden_size, device=self.device,
+                                      dtype=self.head.fc.weight.dtype)
+        buf = self._hidden_in
+        for i, cache in enumerate(self.caches):
+            def forward(ids, pos, meta, _cache=cache, _step=i):
+                return self.head(ids, buf[:ids.shape[0]], pos, _cache, meta, self.rope,
+                                 step=_step)
+
+            graphs = DecodeGraphs(forward, self.device, self.block_size, max_rows,
+                                  self.tables.max_blocks_per_seq)
+            graphs.capture()
+            self.graphs.append(graphs)
 
     @torch.inference_mode()
     def propose(self, rows: RankRows | None, inp: StepInputs | None, hidden: torch.Tensor | None,
@@ -60,13 +85,11 @@ class MtpDrafter:
         if first is None:
             self._idle(self.k)
             return {}
-        pass_rows, idx, slots = first
+        pass_rows, idx, slots, pick, pos = first
         step_in = build_step_inputs(pass_rows, self.tables, self.block_size, self.device)
-        out = self._run(0, step_in.input_ids, hidden[idx], step_in.positions, step_in.meta)
-        out = out[step_in.sample_index]  # each drafting sequence's last row
-        pos = np.concatenate([pass_rows.decode_pos,
-                              [p.start + len(p.tokens) - 1 for p in pass_rows.prefill
-                               if p.sample]]).astype(np.int64)
+        out = self._run(0, step_in, hidden.index_select(0, idx))
+        if pick is not None:  # each drafting sequence's last row
+            out = out.index_select(0, pick)
         cur = self._greedy(out)  # [n] on the device: the next pass is fed from there
         passes = [(list(slots), cur)]
         live = np.asarray(slots, dtype=np.int64)
@@ -82,7 +105,7 @@ class MtpDrafter:
                 break
             chain = RankRows(live, pos, np.zeros(len(live), dtype=np.int64), (), [], [])
             step_in = build_step_inputs(chain, self.tables, self.block_size, self.device)
-            out = self._run(step, cur, out, step_in.positions, step_in.meta)
+            out = self._run(step, step_in, out, cur)
             cur = self._greedy(out)
             passes.append((live.tolist(), cur))
         drafted = torch.cat([c for _, c in passes]).tolist()  # the one read-back of the passes
@@ -95,20 +118,29 @@ class MtpDrafter:
         return {s: tuple(d) for s, d in drafts.items()}
 
     def _first_pass(self, rows: RankRows, inp: StepInputs, tokens: Sequence[SampledToken],
-                    kept: Sequence[int]) -> tuple[RankRows, torch.Tensor, list[int]] | None:
-        """Pass 0's rows (decode rows, then each verify row's kept positions and each prefill
-        chunk as chunks), the flat target rows they read, and the drafting slots in the order
-        of the pass's sampled rows."""
+                    kept: Sequence[int]) -> tuple | None:
+        """Pass 0's rows (decode rows, then each verify row's kept positions as one-token rows,
+        then each prefill chunk as a chunk), the flat target rows they read, the drafting
+        slots in the order of their last rows, those rows among the pass's rows (None: every
+        row) and their positions."""
         nplain = rows.num_decode - rows.num_verify_positions
         tok = [t.token_id for t in tokens]
-        idx = list(range(nplain))
+        d_slots, d_pos = [rows.decode_slots[:nplain]], [rows.decode_pos[:nplain]]
+        d_ids = [np.array(tok[:nplain], dtype=np.int64)]
+        idx, pick = list(range(nplain)), list(range(nplain))
         chunks: list[PrefillRow] = []
         at, flat = nplain, nplain  # the next sampled token, the next flat target row
         for v, m in zip(rows.verify, kept):
-            nxt = tuple(int(d) for d in v.drafts[:m - 1]) + (tok[at + m - 1],)
-            chunks.append(PrefillRow(0, v.slot, v.start, nxt, True, 0, -1))
+            nxt = [int(d) for d in v.drafts[:m - 1]] + [tok[at + m - 1]]
+            d_slots.append(np.full(m, v.slot, dtype=np.int64))
+            d_pos.append(np.arange(v.start, v.start + m, dtype=np.int64))
+            d_ids.append(np.array(nxt, dtype=np.int64))
             idx.extend(range(flat, flat + m))
+            pick.append(len(idx) - 1)
             at, flat = at + len(v.tokens), flat + len(v.tokens)
+        slots = np.concatenate(d_slots).tolist()
+        pos = [int(p) for p in np.concatenate(d_pos)[pick]] if pick else []
+        drafting = [slots[r] for r in pick]
         qsl = inp.meta.query_start_loc
         for r, p in enumerate(rows.prefill):
             start = qsl[rows.first_prefill_seq + r]
@@ -118,17 +150,31 @@ class MtpDrafter:
             if nxt:
                 chunks.append(PrefillRow(0, p.slot, p.start, nxt, bool(p.sample), 0, -1))
                 idx.extend(range(start, start + len(nxt)))
-        slots = rows.decode_slots[:nplain].tolist() + [c.slot for c in chunks if c.sample]
+                if p.sample:
+                    pick.append(len(idx) - 1)
+                    pos.append(p.start + len(nxt) - 1)
+                    drafting.append(p.slot)
         if not idx:
             return None
-        pass_rows = RankRows(rows.decode_slots[:nplain], rows.decode_pos[:nplain],
-                             np.array(tok[:nplain], dtype=np.int64), chunks, [], [])
-        return pass_rows, torch.tensor(idx, device=self.device), slots
+        pass_rows = RankRows(np.concatenate(d_slots), np.concatenate(d_pos),
+                             np.concatenate(d_ids), chunks, [], [])
+        dev = lambda x: torch.tensor(x, dtype=torch.int64).to(  # noqa: E731
+            self.device, non_blocking=True)
+        sel = None if pick == list(range(len(idx))) else dev(pick)
+        return pass_rows, dev(idx), drafting, sel, np.array(pos, dtype=np.int64)
 
-    def _run(self, step: int, ids: torch.Tensor, hidden: torch.Tensor, positions: torch.Tensor,
-             meta: AttentionMetadata) -> torch.Tensor:
-        cache = self.caches[self.head.layer_for_step(step)]
-        return self.head(ids, hidden, positions, cache, meta, self.rope, step=step)
+    def _run(self, step: int, inp: StepInputs, hidden: torch.Tensor,
+             ids: torch.Tensor | None = None) -> torch.Tensor:
+        """One pass over ``inp``'s rows (fed ``ids`` from the device instead of
+        ``inp.input_ids`` where given): its graph where one covers it, else eagerly."""
+        layer = self.head.layer_for_step(step)
+        n = inp.rows.num_decode
+        graphs = self.graphs[layer] if self.graphs else None
+        if graphs is not None and not inp.rows.chunked and graphs.covers_rows(n):
+            self._hidden_in[:n].copy_(hidden)
+            return graphs.run(inp, ids)
+        return self.head(inp.input_ids if ids is None else ids, hidden, inp.positions,
+                         self.caches[layer], inp.meta, self.rope, step=step)
 
     def _greedy(self, hidden: torch.Tensor) -> torch.Tensor:
         """Each row's greedy draft, [n] int64 on the device (read back once, after the last
@@ -147,4 +193,5 @@ class MtpDrafter:
                                                           device=self.device),
                                  block_size=self.block_size)
         for step in range(first_step, first_step + passes):
-            self._run(step, empty, h, empty, meta)
+            self.head(empty, h, empty, self.caches[self.head.layer_for_step(step)], meta,
+                      self.rope, step=step)

@@ -59,6 +59,10 @@ class Runner:
         if cfg.decode_lookahead and parallel.world_size > 1:  # a lone forward hangs the group
             raise ValueError("decode_lookahead is single-rank only: an EP rank's forward runs "
                              "in lockstep with the other ranks' (use ep_size=1)")
+        if cfg.decode_lookahead and cfg.mtp_drafts:  # its forward would overwrite what the
+            raise ValueError("decode_lookahead does not combine with speculative_config "  # head
+                             "method 'mtp': the MTP head reads each step's hidden states, "
+                             "which a forward queued ahead overwrites")
         self.cfg = cfg
         self.device = resolve_device(cfg.device)
         hf_dtype = ModelConfig.from_pretrained(cfg.model).torch_dtype
@@ -118,12 +122,16 @@ class Runner:
                 min(DECODE_BATCH_LADDER[-1], cfg.max_num_seqs * (cfg.speculative_tokens + 1)),
                 self.tables.max_blocks_per_seq, self.spare_state_slot, runs=True)
             self.verify_graphs.capture()
+        if self.mtp is not None and self.graphs is not None:  # the head's passes
+            self.mtp.capture_graphs(min(DECODE_BATCH_LADDER[-1],
+                                        cfg.max_num_seqs * (cfg.mtp_drafts + 1)))
         self.buffers = StepBuffers(self.device)  # the step inputs' memory, reused
         self.lookahead: DecodeLookahead | None = None
         lookahead = cfg.decode_lookahead
         # with recurrent state too: the rows' states are copied aside (one launch per state
-        # tensor, ~30 us of HBM a row at the 35B-A3B shape) to hide ~0.6 ms of host work
-        if lookahead or (lookahead is None and self.graphs is not None):
+        # tensor, ~30 us of HBM a row at the 35B-A3B shape) to hide ~0.6 ms of host work; not
+        # with an MTP head, which reads the step's hidden states after a queued forward
+        if lookahead or (lookahead is None and self.graphs is not None and self.mtp is None):
             self.lookahead = DecodeLookahead(self._forward, self.graphs, self.tables,
                                              self.block_size, self.device, self.max_model_len,
                                              state_pools=self.state_pools, buffers=self.buffers)
