@@ -69,7 +69,8 @@ class DecodeGraphs:
     """
 
     def __init__(self, forward: Forward, device: torch.device, block_size: int,
-                 max_batch: int, max_blocks: int, spare_state_slot: int | None = None):
+                 max_batch: int, max_blocks: int, spare_state_slot: int | None = None,
+                 runs: bool = False):
         self.forward, self.device, self.block_size = forward, device, block_size
         self.rungs = [1] * (not runs) + [r for r in DECODE_BATCH_LADDER
                                          if r <= graph_batch(max_batch)]
@@ -90,11 +91,11 @@ class DecodeGraphs:
         self._graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor, list]] = {}
         self.capture_s = 0.0
         self.replays = 0
-        self._runs = None if not runs else _RunsBuffers(top, device)
+        self._runs = None if not runs else RunsBuffers(top, device)
 
     def _state_runs(self, b: int) -> StateRuns | None:
         """Rung ``b``'s runs: the static buffers (the truth at replay) behind placeholders,
-        every row a held one-row run on the spare slot, as ``_RunsBuffers`` starts."""
+        every row a held one-row run on the spare slot, as ``RunsBuffers`` starts."""
         if self._runs is None:
             return None
         return StateRuns(tuple(range(b + 1)), np.full(b, self.spare_state_slot),
@@ -172,7 +173,7 @@ class DecodeGraphs:
         return out[:n]
 
 
-class _RunsBuffers:
+class RunsBuffers:
     """A verify set's static ``StateRuns`` tensors for up to ``top`` rows (one device buffer,
     one pinned host twin: a step's runs are one copy), sections 16-byte aligned as
     ``StateRuns.tensors`` lays them out."""
@@ -182,9 +183,10 @@ class _RunsBuffers:
         for size in (8 * top, 4 * (top + 1), top):
             at.append(-(-(at[-1] + size) // 16) * 16)
         words = -(-(at[3] + top) // 8)
-        self.host = torch.zeros(8 * words, dtype=torch.uint8, pin_memory=True)
+        cuda = device.type == "cuda"
+        self.host = torch.zeros(8 * words, dtype=torch.uint8, pin_memory=cuda)
         self.dev = torch.empty(8 * words, dtype=torch.uint8, device=device)
-        self.copied = torch.cuda.Event()
+        self.copied = torch.cuda.Event() if cuda else None
         h = self.host.numpy()
         self.slots = h[:8 * top].view(np.int64)
         self.cu = h[at[1]:at[1] + 4 * (top + 1)].view(np.int32)
@@ -203,7 +205,8 @@ class _RunsBuffers:
         s = runs.num_runs
         if runs.cu[-1] != n or s > n:
             raise ValueError(f"verify graph: runs over {runs.cu[-1]} rows, the step has {n}")
-        self.copied.synchronize()  # the last load's copy has run
+        if self.copied is not None:
+            self.copied.synchronize()  # the last load's copy has run
         self.slots[:s], self.slots[s:b] = runs.slots, spare
         self.cu[:s + 1] = runs.cu
         self.cu[s + 1:s + 1 + b - n] = np.arange(n + 1, b + 1)
@@ -214,4 +217,5 @@ class _RunsBuffers:
         self.hold[s:b] = 1
         end = self.at[3] + b
         self.dev[:end].copy_(self.host[:end], non_blocking=True)
-        self.copied.record()
+        if self.copied is not None:
+            self.copied.record()

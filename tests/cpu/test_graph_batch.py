@@ -20,3 +20,37 @@ def test_one_row_is_not_padded():
 def test_above_the_ladder_it_pads_to_the_next_step():
     assert ABOVE_LADDER_STEP == 32
     assert [graph_batch(n) for n in (129, 160, 161, 255, 256, 257)] == [160, 160, 192, 256, 256, 288]
+
+
+def test_a_verify_graph_set_has_no_one_row_rung():
+    """A verify step has a fed token and a draft at least: its set starts at two rows."""
+    import torch
+
+    from epserve.worker.cuda_graphs import DecodeGraphs
+
+    cpu = torch.device("cpu")
+    assert DecodeGraphs(None, cpu, 16, 8, 4, 3).rungs == [1, 2, 4, 8]
+    assert DecodeGraphs(None, cpu, 16, 8, 4, 3, runs=True).rungs == [2, 4, 8]
+
+
+def test_a_verify_graphs_runs_are_followed_by_its_padding():
+    """What a verify graph's recurrent layers read at rung b for a step of n rows: the step's
+    runs, then each padding row a held one-row run on the spare slot (it reads and writes no
+    state), then empty held runs up to b (the rung's grid); a later, smaller step leaves none
+    of the earlier one's runs behind."""
+    import torch
+
+    from epserve.kernels.attention import StateRuns
+    from epserve.worker.cuda_graphs import RunsBuffers
+
+    buf = RunsBuffers(16, torch.device("cpu"))
+    buf.load(StateRuns((0, 1, 4, 7), [5, 2, 3], [False, False, True], (1, 2)), 7, 8, 99)
+    slots, cu, fresh, hold = (t.tolist() for t in buf.views(8))
+    assert slots == [5, 2, 3] + [99] * 5
+    assert cu == [0, 1, 4, 7, 8] + [8] * 4  # run 3: the padding row 7; runs 4-7 empty
+    assert fresh == [False, False, True] + [True] * 5
+    assert hold == [False, True, True] + [True] * 5
+    buf.load(StateRuns((0, 3), [4], [False], (0,)), 3, 4, 99)
+    assert [t.tolist() for t in buf.views(4)] == [[4, 99, 99, 99], [0, 3, 4, 4, 4],
+                                                  [False, True, True, True],
+                                                  [True, True, True, True]]
