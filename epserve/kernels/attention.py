@@ -121,6 +121,20 @@ class StateRuns:
     def num_runs(self) -> int:
         return len(self.cu) - 1
 
+    def padded(self, rows: int, runs: int, spare: int) -> "StateRuns":
+        """These runs, then each row after them up to ``rows`` a held one-row run from zeros on
+        the ``spare`` slot (it reads and writes no state), then empty held runs up to ``runs``
+        runs: the layout a CUDA graph's grid of ``runs`` programs replays."""
+        s, n = self.num_runs, self.cu[-1]
+        if n > rows or s + rows - n > runs:
+            raise ValueError(f"StateRuns: {s} runs over {n} rows do not pad to {runs} runs "
+                             f"over {rows} rows")
+        cu = self.cu + tuple(range(n + 1, rows + 1)) + (rows,) * (runs - s - (rows - n))
+        pad = runs - s
+        return StateRuns(cu, np.concatenate([self.slots, np.full(pad, spare)]),
+                         np.concatenate([self.fresh, np.ones(pad, dtype=bool)]),
+                         self.hold + tuple(range(s, runs)))
+
     def tensors(self, device: torch.device) -> tuple[torch.Tensor, ...]:
         """(slots [S] int64, cu [S + 1] int32, fresh [S] bool, hold [S] bool) on ``device``:
         one host-to-device copy, made once."""

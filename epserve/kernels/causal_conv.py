@@ -54,6 +54,8 @@ def causal_conv1d_ref(x: torch.Tensor, weight: torch.Tensor, state: torch.Tensor
     w = weight.float()
     for s in range(len(cu_seqlens) - 1):
         a, b = cu_seqlens[s], cu_seqlens[s + 1]
+        if a == b:  # an empty sequence (a CUDA graph's padding run): its state as it was
+            continue
         xs = torch.cat([state[s].float(), x[a:b].float().T], dim=1)  # [C, K - 1 + n]
         y = F.conv1d(xs[None], w[:, None, :], groups=c)[0]  # [C, n]
         out[a:b] = (F.silu(y) if silu else y).T.to(x.dtype)

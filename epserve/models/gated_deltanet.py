@@ -183,12 +183,15 @@ def fresh_sequences(meta: AttentionMetadata, device: torch.device) -> torch.Tens
     return mask
 
 
-def fold_runs(runs: StateRuns, kept: list[int]) -> tuple[StateRuns, int]:
+def fold_runs(runs: StateRuns, kept: list[int],
+              singles: bool = False) -> tuple[StateRuns, int]:
     """The runs ``GatedDeltaNet.fold`` takes after a verify with ``runs`` whose held runs keep
     their first ``kept[i]`` rows (in hold order; each in 1..its length), and the first logged
     row they cover (the first held run's): a held run's kept prefix advances its slot; its
     other rows, and any row between held runs, run as held runs on a fresh state (never read,
-    never stored), so the rows stay one contiguous block without a gather."""
+    never stored), so the rows stay one contiguous block without a gather. ``singles``: from
+    row 0 on, every row outside a kept prefix a held run of its own (a CUDA graph's fold: no
+    program walks more rows than a kept prefix)."""
     cu, held = runs.cu, runs.hold
     if len(kept) != len(held):
         raise ValueError(f"fold: {len(kept)} verdicts for {len(held)} held sequences")
@@ -197,7 +200,8 @@ def fold_runs(runs: StateRuns, kept: list[int]) -> tuple[StateRuns, int]:
         raise ValueError(f"fold: kept {kept} outside 1..{lens}")
     if not held:
         raise ValueError("fold: no held sequences")
-    first, at = cu[min(held)], cu[min(held)]
+    first = 0 if singles else cu[min(held)]
+    at = first
     offs, slots, fresh, hold = [0], [], [], []
 
     def run(end: int, slot: int, new: bool, store: bool) -> None:
@@ -207,13 +211,17 @@ def fold_runs(runs: StateRuns, kept: list[int]) -> tuple[StateRuns, int]:
         if not store:
             hold.append(len(slots) - 1)
 
+    def rest(start: int, end: int, slot: int) -> None:  # rows folded into no state
+        for r in (range(start + 1, end + 1) if singles else (end,) if end > start else ()):
+            run(r, slot, True, False)
+
     for h, m in sorted(zip(held, kept)):
-        if cu[h] > at:  # rows between held runs
-            run(cu[h], int(runs.slots[h]), True, False)
+        rest(at, cu[h], int(runs.slots[h]))  # rows between held runs
         run(cu[h] + m, int(runs.slots[h]), bool(runs.fresh[h]), True)
-        if m < lens[held.index(h)]:
-            run(cu[h + 1], int(runs.slots[h]), True, False)
+        rest(cu[h] + m, cu[h + 1], int(runs.slots[h]))
         at = cu[h + 1]
+    if singles:
+        rest(at, cu[-1], int(runs.slots[0]))
     return StateRuns(tuple(offs), slots, fresh, tuple(hold)), first
 
 

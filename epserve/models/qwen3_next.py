@@ -24,7 +24,7 @@ from typing import Callable, Iterable, Iterator
 import torch
 from torch import nn
 
-from epserve.kernels.attention import AttentionMetadata
+from epserve.kernels.attention import AttentionMetadata, StateRuns
 from epserve.kernels.shared_expert import shared_expert_add
 from epserve.models.causal_lm import DecoderOnlyLM, pre_norm_block
 from epserve.models.config import ModelConfig
@@ -119,11 +119,15 @@ class _HybridMoeLM(DecoderOnlyLM):
         runs = meta.state_runs
         if runs is None:
             raise ValueError("fold: the step held no recurrent state")
-        fold, first = fold_runs(runs, kept)
-        logged = iter(runs.log)
+        self.fold_logged(caches, runs.log, *fold_runs(runs, kept))
+
+    def fold_logged(self, caches: list, logged: list, fold: StateRuns, first: int) -> None:
+        """Each DeltaNet layer's ``fold`` of its entry of ``logged`` (``StateRuns.log``) over
+        ``fold`` from row ``first`` (``gated_deltanet.fold_runs``)."""
+        entries = iter(logged)
         for layer, cache in zip(self.layers, caches):
             if isinstance(layer.mixer, GatedDeltaNet):
-                layer.mixer.fold(next(logged), cache, fold, first)
+                layer.mixer.fold(next(entries), cache, fold, first)
 
     def load_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
         """Load, leaving out (with one log line each) the tensors under ``unused``."""

@@ -18,7 +18,8 @@ the same rows for attention, and the recurrent layers' ``StateRuns`` in static b
 so one graph replays any grouping of its rows into runs of up to ``MAX_SHORT_TOKENS``. A
 step's runs are followed by its padding rows, one held one-row run each on the spare slot,
 then empty held runs; each layer's logged projections (``StateRuns.log``, what the fold
-reads) are the graph's own tensors, valid until the next replay.
+reads) are the graph's own tensors, valid until the next replay; with ``fold`` each rung has
+a second graph that folds the accepted prefixes in from them (``replay_fold``).
 
 Only for a single rank: an EP step's expert exchange runs collectives on a host-driven group,
 which a graph cannot replay.
@@ -70,7 +71,7 @@ class DecodeGraphs:
 
     def __init__(self, forward: Forward, device: torch.device, block_size: int,
                  max_batch: int, max_blocks: int, spare_state_slot: int | None = None,
-                 runs: bool = False):
+                 runs: bool = False, fold: Callable[[list, StateRuns], None] | None = None):
         self.forward, self.device, self.block_size = forward, device, block_size
         self.rungs = [1] * (not runs) + [r for r in DECODE_BATCH_LADDER
                                          if r <= graph_batch(max_batch)]
@@ -92,6 +93,13 @@ class DecodeGraphs:
         self.capture_s = 0.0
         self.replays = 0
         self._runs = None if not runs else RunsBuffers(top, device)
+        # the verify set's folds: ``fold(logged, runs)`` over a rung's logged rows, one graph a
+        # rung, over a grid of 2 b runs (a kept prefix a run, every other row a run alone)
+        self._fold = fold if runs else None
+        self._fold_runs = None if self._fold is None else RunsBuffers(2 * top, device)
+        self._folds: dict[int, torch.cuda.CUDAGraph] = {}
+        self.last_runs: StateRuns | None = None  # the runs the last replay ran
+        self.last_rung = 0
 
     def _state_runs(self, b: int) -> StateRuns | None:
         """Rung ``b``'s runs: the static buffers (the truth at replay) behind placeholders,
@@ -131,10 +139,44 @@ class DecodeGraphs:
                 out = self.forward(ids, pos, meta)
             runs = meta.state_runs
             self._graphs[b] = (graph, out, [] if runs is None else runs.log)
+            if self._fold is not None:
+                self._folds[b] = self._capture_fold(b, runs.log, pool)
         torch.cuda.synchronize(self.device)
         self.capture_s = time.perf_counter() - t0
         log.info("captured %d %s CUDA graphs (rungs %s) in %.1f s", len(self._graphs),
                  "verify" if self._runs is not None else "decode", self.rungs, self.capture_s)
+
+    def _capture_fold(self, b: int, logged: list, pool) -> torch.cuda.CUDAGraph:
+        """Rung ``b``'s fold over its verify graph's logged rows, placeholders held (twice
+        eagerly first: nothing is read or written)."""
+        g, spare = 2 * b, self.spare_state_slot
+
+        def runs() -> StateRuns:
+            return StateRuns(tuple(range(b + 1)) + (b,) * (g - b), np.full(g, spare),
+                             np.ones(g, dtype=bool), tuple(range(g)), self._fold_runs.views(g))
+
+        side = torch.cuda.Stream(self.device)
+        side.wait_stream(torch.cuda.current_stream(self.device))
+        with torch.cuda.stream(side):
+            for _ in range(2):
+                self._fold(logged, runs())
+        torch.cuda.current_stream(self.device).wait_stream(side)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, pool=pool):
+            self._fold(logged, runs())
+        return graph
+
+    def replay_fold(self, fold: StateRuns) -> bool:
+        """After a replay of this verify set: fold the accepted prefixes from its logged rows,
+        ``fold`` over them from row 0 (``gated_deltanet.fold_runs(..., singles=True)``).
+        False when the rung has no fold graph (the caller folds eagerly)."""
+        b = self.last_rung
+        graph = self._folds.get(b)
+        if graph is None:
+            return False
+        self._fold_runs.load(fold.padded(b, 2 * b, self.spare_state_slot))
+        graph.replay()
+        return True
 
     def covers_rows(self, n: int) -> bool:
         """A decode step of ``n`` rows has a graph."""
@@ -149,8 +191,12 @@ class DecodeGraphs:
         graph, out, logged = self._graphs[b]
         meta = inp.meta
         if self._runs is not None:
-            self._runs.load(meta.state_runs, n, b, self.spare_state_slot)
-            meta.state_runs.log[:] = logged
+            runs = meta.state_runs
+            if runs.cu[-1] != n:
+                raise ValueError(f"verify graph: runs over {runs.cu[-1]} rows, the step has {n}")
+            self._runs.load(runs.padded(b, b, self.spare_state_slot))
+            runs.log[:] = logged
+            self.last_rung, self.last_runs = b, runs
         self.input_ids[:n].copy_(inp.input_ids if input_ids is None else input_ids,
                                  non_blocking=True)
         self.positions[:n].copy_(inp.positions, non_blocking=True)
@@ -174,9 +220,9 @@ class DecodeGraphs:
 
 
 class RunsBuffers:
-    """A verify set's static ``StateRuns`` tensors for up to ``top`` rows (one device buffer,
+    """A graph set's static ``StateRuns`` tensors for up to ``top`` runs (one device buffer,
     one pinned host twin: a step's runs are one copy), sections 16-byte aligned as
-    ``StateRuns.tensors`` lays them out."""
+    ``StateRuns.tensors`` lays them out; a graph of a grid of ``b`` runs reads ``views(b)``."""
 
     def __init__(self, top: int, device: torch.device):
         self.at = at = [0]
@@ -199,22 +245,14 @@ class RunsBuffers:
         return (d[:8 * b].view(torch.int64), d[at[1]:at[1] + 4 * (b + 1)].view(torch.int32),
                 d[at[2]:at[2] + b].view(torch.bool), d[at[3]:at[3] + b].view(torch.bool))
 
-    def load(self, runs: StateRuns, n: int, b: int, spare: int) -> None:
-        """``runs`` (over ``n`` rows) into rung ``b``'s buffers: then each padding row a held
-        one-row run on the spare slot, then empty held runs up to ``b``."""
-        s = runs.num_runs
-        if runs.cu[-1] != n or s > n:
-            raise ValueError(f"verify graph: runs over {runs.cu[-1]} rows, the step has {n}")
+    def load(self, runs: StateRuns) -> None:
+        """``runs`` (a graph's whole grid: ``StateRuns.padded``) into ``views(runs.num_runs)``."""
+        b = runs.num_runs
         if self.copied is not None:
             self.copied.synchronize()  # the last load's copy has run
-        self.slots[:s], self.slots[s:b] = runs.slots, spare
-        self.cu[:s + 1] = runs.cu
-        self.cu[s + 1:s + 1 + b - n] = np.arange(n + 1, b + 1)
-        self.cu[s + 1 + b - n:b + 1] = b
-        self.fresh[:s], self.fresh[s:b] = runs.fresh, 1
+        self.slots[:b], self.cu[:b + 1], self.fresh[:b] = runs.slots, runs.cu, runs.fresh
         self.hold[:b] = 0
         self.hold[list(runs.hold)] = 1
-        self.hold[s:b] = 1
         end = self.at[3] + b
         self.dev[:end].copy_(self.host[:end], non_blocking=True)
         if self.copied is not None:

@@ -20,6 +20,7 @@ import torch
 from epserve.kernels.attention import AttentionMetadata
 from epserve.kernels.token_mask import apply_token_masks
 from epserve.models.config import CheckpointError
+from epserve.models.gated_deltanet import fold_runs
 from epserve.models.layer_cache import KvCacheSpec, StateCacheSpec, allocate_states
 from epserve.models.loader import load_model
 from epserve.models.mtp import load_mtp_head
@@ -120,7 +121,9 @@ class Runner:
             self.verify_graphs = DecodeGraphs(
                 self._forward, self.device, self.block_size,
                 min(DECODE_BATCH_LADDER[-1], cfg.max_num_seqs * (cfg.speculative_tokens + 1)),
-                self.tables.max_blocks_per_seq, self.spare_state_slot, runs=True)
+                self.tables.max_blocks_per_seq, self.spare_state_slot, runs=True,
+                fold=lambda logged, runs: self.model.fold_logged(self.kv_caches, logged, runs,
+                                                                 0))
             self.verify_graphs.capture()
         if self.mtp is not None and self.graphs is not None:  # the head's passes
             self.mtp.capture_graphs(min(DECODE_BATCH_LADDER[-1],
@@ -263,6 +266,10 @@ class Runner:
         """After a step with a recurrent model's verify rows (their states held): advance
         each row's states by its first ``kept[i]`` tokens, the fed token and the accepted
         drafts (``ModelSsmState``'s rollback to, and commit of, the accepted prefix)."""
+        runs, graphs = inp.meta.state_runs, self.verify_graphs
+        if graphs is not None and runs is not None and graphs.last_runs is runs and \
+                graphs.replay_fold(fold_runs(runs, kept, singles=True)[0]):
+            return  # this step's verify replayed a graph: its fold does too
         self.model.fold_held_states(self.kv_caches, inp.meta, kept)
 
     def propose_drafts(self, rows: RankRows | None, inp: StepInputs | None,

@@ -44,13 +44,25 @@ def test_a_verify_graphs_runs_are_followed_by_its_padding():
     from epserve.worker.cuda_graphs import RunsBuffers
 
     buf = RunsBuffers(16, torch.device("cpu"))
-    buf.load(StateRuns((0, 1, 4, 7), [5, 2, 3], [False, False, True], (1, 2)), 7, 8, 99)
+    buf.load(StateRuns((0, 1, 4, 7), [5, 2, 3], [False, False, True], (1, 2)).padded(8, 8, 99))
     slots, cu, fresh, hold = (t.tolist() for t in buf.views(8))
     assert slots == [5, 2, 3] + [99] * 5
     assert cu == [0, 1, 4, 7, 8] + [8] * 4  # run 3: the padding row 7; runs 4-7 empty
     assert fresh == [False, False, True] + [True] * 5
     assert hold == [False, True, True] + [True] * 5
-    buf.load(StateRuns((0, 3), [4], [False], (0,)), 3, 4, 99)
+    buf.load(StateRuns((0, 3), [4], [False], (0,)).padded(4, 4, 99))
     assert [t.tolist() for t in buf.views(4)] == [[4, 99, 99, 99], [0, 3, 4, 4, 4],
                                                   [False, True, True, True],
                                                   [True, True, True, True]]
+
+
+def test_runs_that_do_not_fit_a_grid_are_refused():
+    import pytest
+
+    from epserve.kernels.attention import StateRuns
+
+    runs = StateRuns((0, 1, 4, 7), [5, 2, 3], [False] * 3, (1, 2))
+    with pytest.raises(ValueError, match="do not pad"):
+        runs.padded(6, 8, 0)  # fewer rows than the runs cover
+    with pytest.raises(ValueError, match="do not pad"):
+        runs.padded(8, 3, 0)  # no run left for the padding row

@@ -166,13 +166,16 @@ def test_layer_on_the_kernels_follows_the_reference(layer_type, prompt_lens, mon
         torch.testing.assert_close(g, w, **TOL)
 
 
+@pytest.mark.parametrize("graph", [False, True], ids=["eager_fold", "graph_fold"])
 @pytest.mark.parametrize("interpreted", [True, False], ids=["kernels", "reference"])
-def test_held_verify_runs_log_and_fold_to_a_plain_decode(interpreted, monkeypatch):
+def test_held_verify_runs_log_and_fold_to_a_plain_decode(interpreted, graph, monkeypatch):
     """A step of 6 one-token rows (as attention sees them): a plain decode row of sequence 0,
     then verifies of 3 and 2 tokens for sequences 1 and 2, held (``StateRuns``). The held
     states are untouched by the step, every row's projections are logged, and ``fold`` of 2
     and 1 kept tokens leaves each state as a plain decode of its kept tokens, while the plain
-    row's state advanced in the step itself."""
+    row's state advanced in the step itself. ``graph``: the fold a verify graph of 8 rows
+    replays (its logged rows padded, every row outside a kept prefix a run of its own, the
+    grid padded to 16 runs on the spare slot 0, which stays untouched)."""
     if interpreted:
         use_interpreted(monkeypatch, _NAMES, _MODS)
     else:
@@ -199,10 +202,17 @@ def test_held_verify_runs_log_and_fold_to_a_plain_decode(interpreted, monkeypatc
     assert mixed.shape[0] == a.shape[0] == b.shape[0] == 6
     for s in (2, 1):  # the held states are as they were
         assert torch.equal(cache[1][s], plain[1][s]) and torch.equal(cache[0][s], plain[0][s])
-    runs, first = fold_runs(meta.state_runs, [2, 1])
-    assert first == 1 and runs.cu == (0, 2, 3, 4, 5) and runs.hold == (1, 3)
+    logged = (mixed, a, b)
+    if graph:
+        runs, first = fold_runs(meta.state_runs, [2, 1], singles=True)
+        assert first == 0 and runs.cu == (0, 1, 3, 4, 5, 6) and runs.hold == (0, 2, 4)
+        runs = runs.padded(8, 16, 0)
+        logged = tuple(torch.cat([t, torch.randn(2, t.shape[1])]) for t in logged)
+    else:
+        runs, first = fold_runs(meta.state_runs, [2, 1])
+        assert first == 1 and runs.cu == (0, 2, 3, 4, 5) and runs.hold == (1, 3)
     with torch.no_grad():
-        layer.fold((mixed, a, b), cache, runs, first)
+        layer.fold(logged, cache, runs, first)
         for s, r in ((0, 0), (1, 1), (1, 2), (2, 4)):  # plain decodes of the kept tokens
             m, p = _meta((0, 1), (lens[s] + 1,), True,  # (its KV length: unread here)
                          tables[s:s + 1], torch.tensor([slots[s]]))
@@ -210,6 +220,7 @@ def test_held_verify_runs_log_and_fold_to_a_plain_decode(interpreted, monkeypatc
     for s in slots:
         torch.testing.assert_close(cache[1][s], plain[1][s], **TOL)
         torch.testing.assert_close(cache[0][s], plain[0][s], **TOL)
+    assert torch.equal(cache[1][0], plain[1][0]) and torch.equal(cache[0][0], plain[0][0])
 
 
 @pytest.mark.parametrize("runs", range(1, 10))
