@@ -268,37 +268,51 @@ def run_epserve(cfg: dict, work: dict, args, dtype: str) -> list[Result]:
                      SamplingParams(temperature=0.0, max_tokens=WARM_TOKENS, ignore_eos=True))
         ps = [{"prompt_token_ids": p} for p in prompts(n, in_len, cfg["vocab_size"], seed=0)]
         sp = SamplingParams(temperature=0.0, max_tokens=out_len, ignore_eos=True)
-        steps[0] = 0
-        forwards.clear()
-        sync(args.device)
-        t0 = time.perf_counter()
-        with _compile_log(name, t0):
-            if prof is not None:
-                profiling[0] = True
-                prof.enable()
-            outs = llm.generate(ps, sp)
-            if prof is not None:
-                prof.disable()
-                profiling[0] = False
-        sync(args.device)
-        wall = time.perf_counter() - t0
-        got = [len(o.outputs[0].token_ids) for o in outs]
-        note = "" if set(got) == {out_len} else f"tokens per request {sorted(set(got))}"
-        results.append(Result(name, "epserve", wall, sum(got), steps[0], note))
-        dec = [f for f in forwards if f[1] == 0]
-        mix = [f for f in forwards if f[1] > 0]
-        print(f"[epserve {name}] forwards: {len(dec)} pure decode, "
-              f"{sum(f[2] for f in dec):.2f} s, mean {1e3 * sum(f[2] for f in dec) / max(len(dec), 1):.1f} ms "
-              f"at mean {sum(f[0] for f in dec) / max(len(dec), 1):.0f} rows; {len(mix)} with prefill, "
-              f"{sum(f[2] for f in mix):.2f} s for {sum(f[1] for f in mix)} prompt tokens; "
-              f"outside forwards {wall - sum(f[2] for f in forwards):.2f} s", flush=True)
-        print(f"[epserve {name}] forwards with prefill (decode rows, prompt tokens, ms): "
-              + ", ".join(f"({r}, {t}, {1e3 * s:.0f})" for r, t, s in mix), flush=True)
-        if prof is not None:  # where the outside-forward time goes (cProfile inflates it)
-            pstats.Stats(prof).sort_stats("tottime").print_stats(args.profile_outside)
-            prof = cProfile.Profile()
+        runs = []
+        for rep in range(args.repeats):
+            runs.append(_timed_run(llm, ps, sp, name, steps, forwards, prof, profiling, args))
+            if args.repeats > 1:
+                print(f"[epserve {name}] run {rep + 1} of {args.repeats}: "
+                      f"{runs[-1][1] / runs[-1][0]:.1f} out tok/s", flush=True)
+            if prof is not None:  # where the outside-forward time goes (cProfile inflates it)
+                pstats.Stats(prof).sort_stats("tottime").print_stats(args.profile_outside)
+                prof = cProfile.Profile()
+        wall, total, nsteps, note = sorted(runs)[len(runs) // 2]  # the median run
+        results.append(Result(name, "epserve", wall, total, nsteps, note))
     llm.close()
     return results
+
+
+def _timed_run(llm, ps, sp, name, steps, forwards, prof, profiling, args) -> tuple:
+    """One timed generate of the workload: (wall s, output tokens, engine steps, note), its
+    forwards' summary printed."""
+    out_len = sp.max_tokens
+    steps[0] = 0
+    forwards.clear()
+    sync(args.device)
+    t0 = time.perf_counter()
+    with _compile_log(name, t0):
+        if prof is not None:
+            profiling[0] = True
+            prof.enable()
+        outs = llm.generate(ps, sp)
+        if prof is not None:
+            prof.disable()
+            profiling[0] = False
+    sync(args.device)
+    wall = time.perf_counter() - t0
+    got = [len(o.outputs[0].token_ids) for o in outs]
+    note = "" if set(got) == {out_len} else f"tokens per request {sorted(set(got))}"
+    dec = [f for f in forwards if f[1] == 0]
+    mix = [f for f in forwards if f[1] > 0]
+    print(f"[epserve {name}] forwards: {len(dec)} pure decode, "
+          f"{sum(f[2] for f in dec):.2f} s, mean {1e3 * sum(f[2] for f in dec) / max(len(dec), 1):.1f} ms "
+          f"at mean {sum(f[0] for f in dec) / max(len(dec), 1):.0f} rows; {len(mix)} with prefill, "
+          f"{sum(f[2] for f in mix):.2f} s for {sum(f[1] for f in mix)} prompt tokens; "
+          f"outside forwards {wall - sum(f[2] for f in forwards):.2f} s", flush=True)
+    print(f"[epserve {name}] forwards with prefill (decode rows, prompt tokens, ms): "
+          + ", ".join(f"({r}, {t}, {1e3 * s:.0f})" for r, t, s in mix), flush=True)
+    return wall, sum(got), steps[0], note
 
 
 def fmt(x: float | None, spec: str) -> str:
@@ -316,6 +330,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--tiny", action="store_true", help="2-layer tiny config (CPU smoke test)")
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     ap.add_argument("--skip-transformers", action="store_true")
+    ap.add_argument("--repeats", type=int, default=1,
+                    help="epserve: time each workload this many times, report the median run")
     ap.add_argument("--profile-outside", type=int, default=0, metavar="N",
                     help="cProfile the host work outside the forwards; print its top N")
     ap.add_argument("--max-num-seqs", type=int, default=256)
