@@ -89,8 +89,13 @@ def test_a_verify_shaped_step_timing():
     from epserve.kernels.dispatch import varlen_tensors
     from epserve.kernels.gated_delta import gated_delta_step
 
+    from epserve.kernels.gated_delta import recurrent_ref
+
     args, pool, (x, w), conv_pool, slots, fresh, cu = _case(torch.bfloat16, seed=4)
     dev = varlen_tensors(cu, HELD, x.device)
+    want_o, want_pool = _want(recurrent_ref, args, pool, slots, fresh, cu)
+    o = gated_delta_step(*args, pool, slots, fresh, tuple(cu), False, HELD)  # what is timed
+    assert _rel(o, want_o) < 1e-2 and _rel(pool, want_pool) < 1e-5
     step = lambda: (causal_conv_step(x, w, conv_pool, slots, fresh, tuple(cu), False, HELD,  # noqa: E731
                                      dev),
                     gated_delta_step(*args, pool, slots, fresh, tuple(cu), False, HELD))
