@@ -28,6 +28,7 @@ which a graph cannot replay.
 from __future__ import annotations
 
 import array
+import functools
 import logging
 import time
 from typing import Callable
@@ -89,7 +90,8 @@ class DecodeGraphs:
         self.spare_state_slot = spare_state_slot
         self.state_slots = (None if spare_state_slot is None else
                             torch.full((top,), spare_state_slot, dtype=torch.int64, device=device))
-        self._graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor, list]] = {}
+        self._graphs: dict[int, tuple[torch.cuda.CUDAGraph | _EagerTwin, torch.Tensor | None,
+                                      list]] = {}
         self.capture_s = 0.0
         self.replays = 0
         self._runs = None if not runs else RunsBuffers(top, device)
@@ -97,9 +99,10 @@ class DecodeGraphs:
         # rung, over a grid of 2 b runs (a kept prefix a run, every other row a run alone)
         self._fold = fold if runs else None
         self._fold_runs = None if self._fold is None else RunsBuffers(2 * top, device)
-        self._folds: dict[int, torch.cuda.CUDAGraph] = {}
+        self._folds: dict[int, torch.cuda.CUDAGraph | _EagerTwin] = {}
         self.last_runs: StateRuns | None = None  # the runs the last replay ran
         self.last_rung = 0
+        self._logged: list = []  # the last replay's logged rows (a fold reads them)
 
     def _state_runs(self, b: int) -> StateRuns | None:
         """Rung ``b``'s runs: the static buffers (the truth at replay) behind placeholders,
@@ -118,10 +121,17 @@ class DecodeGraphs:
             state_runs=self._state_runs(b))
 
     @torch.inference_mode()
-    def capture(self) -> None:
+    def capture(self, eager_twins: bool = False) -> None:
         """Capture every rung, largest first (smaller ones reuse its memory pool). Each rung
         runs twice eagerly first, on padding only (slot -1: no KV is written), so every Triton
-        kernel is compiled before capture."""
+        kernel is compiled before capture. ``eager_twins`` (CPU tests): capture nothing; a
+        replay calls what the graph would have captured, over the same static buffers."""
+        if eager_twins:
+            for b in self.rungs:
+                self._graphs[b] = (_EagerTwin(self._twin_forward(b)), None, [])
+                if self._fold is not None:
+                    self._folds[b] = _EagerTwin(self._twin_fold(b))
+            return
         t0 = time.perf_counter()
         pool = torch.cuda.graph_pool_handle()
         torch.cuda.synchronize(self.device)
@@ -146,15 +156,27 @@ class DecodeGraphs:
         log.info("captured %d %s CUDA graphs (rungs %s) in %.1f s", len(self._graphs),
                  "verify" if self._runs is not None else "decode", self.rungs, self.capture_s)
 
+    def _twin_forward(self, b: int) -> Callable[[], tuple[torch.Tensor, list]]:
+        def forward() -> tuple[torch.Tensor, list]:
+            meta = self._meta(b)
+            out = self.forward(self.input_ids[:b], self.positions[:b], meta)
+            return out, [] if meta.state_runs is None else meta.state_runs.log
+        return forward
+
+    def _twin_fold(self, b: int) -> Callable[[], None]:
+        return lambda: self._fold(self._logged, self._fold_placeholders(b))
+
+    def _fold_placeholders(self, b: int) -> StateRuns:
+        """Rung ``b``'s fold runs: the static buffers (the truth) behind held one-row runs."""
+        g = 2 * b
+        return StateRuns(tuple(range(b + 1)) + (b,) * (g - b),
+                         np.full(g, self.spare_state_slot), np.ones(g, dtype=bool),
+                         tuple(range(g)), self._fold_runs.views(g))
+
     def _capture_fold(self, b: int, logged: list, pool) -> torch.cuda.CUDAGraph:
         """Rung ``b``'s fold over its verify graph's logged rows, placeholders held (twice
         eagerly first: nothing is read or written)."""
-        g, spare = 2 * b, self.spare_state_slot
-
-        def runs() -> StateRuns:
-            return StateRuns(tuple(range(b + 1)) + (b,) * (g - b), np.full(g, spare),
-                             np.ones(g, dtype=bool), tuple(range(g)), self._fold_runs.views(g))
-
+        runs = functools.partial(self._fold_placeholders, b)
         side = torch.cuda.Stream(self.device)
         side.wait_stream(torch.cuda.current_stream(self.device))
         with torch.cuda.stream(side):
@@ -190,12 +212,11 @@ class DecodeGraphs:
         b = graph_batch(n)
         graph, out, logged = self._graphs[b]
         meta = inp.meta
+        runs = meta.state_runs
         if self._runs is not None:
-            runs = meta.state_runs
             if runs.cu[-1] != n:
                 raise ValueError(f"verify graph: runs over {runs.cu[-1]} rows, the step has {n}")
             self._runs.load(runs.padded(b, b, self.spare_state_slot))
-            runs.log[:] = logged
             self.last_rung, self.last_runs = b, runs
         self.input_ids[:n].copy_(inp.input_ids if input_ids is None else input_ids,
                                  non_blocking=True)
@@ -214,9 +235,25 @@ class DecodeGraphs:
             self.seq_lens[n:b].fill_(1)
             if self.state_slots is not None:
                 self.state_slots[n:b].fill_(self.spare_state_slot)
-        graph.replay()
+        if isinstance(graph, _EagerTwin):
+            out, logged = graph.replay()
+        else:
+            graph.replay()
+        if self._runs is not None:
+            runs.log[:] = self._logged = logged
         self.replays += 1
         return out[:n]
+
+
+class _EagerTwin:
+    """What a captured graph replays, called eagerly over the same static buffers (CPU tests:
+    ``DecodeGraphs.capture(eager_twins=True)``)."""
+
+    def __init__(self, fn: Callable):
+        self.fn = fn
+
+    def replay(self):
+        return self.fn()
 
 
 class RunsBuffers:
