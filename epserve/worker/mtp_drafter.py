@@ -55,9 +55,9 @@ class MtpDrafter:
         self.graphs: list[DecodeGraphs] = []
         self._hidden_in: torch.Tensor | None = None
 
-    def capture_graphs(self, max_rows: int) -> None:
+    def capture_graphs(self, max_rows: int, eager_twins: bool = False) -> None:
         """Capture the head's passes of up to ``max_rows`` one-token rows (CUDA, one rank),
-        one set per head layer."""
+        one set per head layer (``eager_twins``: see ``DecodeGraphs.capture``)."""
         top = graph_batch(max_rows)
         self._hidden_in = torch.zeros(top, self.head.cfg.hidden_size, device=self.device,
                                       dtype=self.head.fc.weight.dtype)
@@ -69,7 +69,7 @@ class MtpDrafter:
 
             graphs = DecodeGraphs(forward, self.device, self.block_size, max_rows,
                                   self.tables.max_blocks_per_seq)
-            graphs.capture()
+            graphs.capture(eager_twins)
             self.graphs.append(graphs)
 
     @torch.inference_mode()

@@ -66,38 +66,44 @@ def test_verify_and_fold_take_the_varlen_kernels_and_change_nothing(tmp_path, mo
     assert calls["gates"] == layers  # verify and fold compute g and beta in their kernel
 
 
-def test_a_verify_graphs_layout_changes_nothing(tmp_path, monkeypatch):
-    """What the verify graphs replay, on CPU: each verify step's inputs copied into a rung's
-    static buffers (rows padded to the rung, the recurrent runs padded as ``StateRuns.padded``
-    lays them out, with only placeholders on the host) and the captured forward and fold
-    called over them (``DecodeGraphs.capture(eager_twins=True)``: the graphs' own inputs, no
-    CUDA). Several sequences verify together, rungs with padding included; the greedy output
-    and logprobs are those without speculation."""
+def test_the_graphs_of_a_speculative_step_change_nothing(trained_mtp_ckpt, monkeypatch):
+    """What the verify graphs and the MTP head's pass graphs replay, on CPU: each step's inputs
+    copied into a rung's static buffers (rows padded to the rung, the recurrent runs padded as
+    ``StateRuns.padded`` lays them out with only placeholders on the host, the head's input
+    hidden states copied into its own buffer) and the captured forward, fold and head pass
+    called over them (``capture(eager_twins=True)``: the graphs' own inputs, no CUDA; the
+    kernels interpreted, as the device tensors are their truth). Two sequences verify 2
+    drafts each (6 rows: rung 8, padded); the output is the output without speculation, and
+    drafts are accepted."""
     from epserve.worker.cuda_graphs import DecodeGraphs, graph_batch
 
-    ckpt = make_successor_checkpoint("qwen3_5_moe", tmp_path / "m")
-    reqs = [{"prompt_token_ids": p} for p in counting_prompts()[:2]]
-    sp = SamplingParams(temperature=0.0, max_tokens=5, ignore_eos=True, logprobs=1)
-    want = LLM(model=str(ckpt), dtype="float32", seed=0, max_model_len=64).generate(reqs, sp)
-    use_interpreted(monkeypatch, _NAMES, _MODS)  # the device tensors are the kernels' truth
-    spec = LLM(model=str(ckpt), dtype="float32", seed=0, max_model_len=64,
-               speculative_config=dict(NGRAM, num_speculative_tokens=2))  # 6 rows: rung 8
+    reqs = [{"prompt_token_ids": list(range(a, a + 5))} for a in (20, 150)]
+    sp = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True, logprobs=1)
+    want = LLM(model=str(trained_mtp_ckpt), dtype="float32", seed=0,
+               max_model_len=64).generate(reqs, sp)
+    use_interpreted(monkeypatch, _NAMES, _MODS)
+    spec = LLM(model=str(trained_mtp_ckpt), dtype="float32", seed=0, max_model_len=64,
+               speculative_config={"method": "mtp", "num_speculative_tokens": 2})
     runner = spec.model.runner
-    graphs = runner.verify_graphs = DecodeGraphs(
+    runner.verify_graphs = DecodeGraphs(
         runner._forward, runner.device, runner.block_size, 8, runner.tables.max_blocks_per_seq,
         runner.spare_state_slot, runs=True,
         fold=lambda logged, runs: runner.model.fold_logged(runner.kv_caches, logged, runs, 0))
-    graphs.capture(eager_twins=True)
+    runner.verify_graphs.capture(eager_twins=True)
+    runner.mtp.capture_graphs(8, eager_twins=True)
     folds, rows = [], []
-    real, run = graphs.replay_fold, graphs.run
-    monkeypatch.setattr(graphs, "replay_fold", lambda f: folds.append(f) or real(f))
-    monkeypatch.setattr(graphs, "run", lambda inp, *a: rows.append(inp.rows.num_decode) or
-                        run(inp, *a))
+    real, run = runner.verify_graphs.replay_fold, runner.verify_graphs.run
+    monkeypatch.setattr(runner.verify_graphs, "replay_fold",
+                        lambda f: folds.append(f) or real(f))
+    monkeypatch.setattr(runner.verify_graphs, "run",
+                        lambda inp, *a: rows.append(inp.rows.num_decode) or run(inp, *a))
     got = spec.generate(reqs, sp)
     for w, g in zip(want, got, strict=True):
         assert w.outputs[0].token_ids == g.outputs[0].token_ids
         for a, b in zip(w.outputs[0].logprobs, g.outputs[0].logprobs, strict=True):
             assert all(a[t].logprob == pytest.approx(b[t].logprob, abs=1e-4) for t in a)
     st = spec.engine.stats.spec
-    assert st.num_accepted_tokens > 0 and graphs.replays > 0 and len(folds) == graphs.replays
+    assert st.num_accepted_tokens > 0
+    assert runner.verify_graphs.replays > 0 and runner.mtp.graphs[0].replays > 0
+    assert len(folds) == runner.verify_graphs.replays  # every graphed verify folded by graph
     assert any(graph_batch(n) > n for n in rows)  # a rung with padding rows and runs
