@@ -93,7 +93,7 @@ class DecodeGraphs:
         self._graphs: dict[int, tuple[torch.cuda.CUDAGraph | _EagerTwin, torch.Tensor | None,
                                       list]] = {}
         self.capture_s = 0.0
-        self.replays = 0
+        self.replays = self.fold_replays = 0
         self._runs = None if not runs else RunsBuffers(top, device)
         # the verify set's folds: ``fold(logged, runs)`` over a rung's logged rows, one graph a
         # rung, over a grid of 2 b runs (a kept prefix a run, every other row a run alone)
@@ -198,6 +198,7 @@ class DecodeGraphs:
             return False
         self._fold_runs.load(fold.padded(b, 2 * b, self.spare_state_slot))
         graph.replay()
+        self.fold_replays += 1
         return True
 
     def covers_rows(self, n: int) -> bool:

@@ -105,5 +105,5 @@ def test_the_graphs_of_a_speculative_step_change_nothing(trained_mtp_ckpt, monke
     st = spec.engine.stats.spec
     assert st.num_accepted_tokens > 0
     assert runner.verify_graphs.replays > 0 and runner.mtp.graphs[0].replays > 0
-    assert len(folds) == runner.verify_graphs.replays  # every graphed verify folded by graph
+    assert len(folds) == runner.verify_graphs.replays == runner.verify_graphs.fold_replays
     assert any(graph_batch(n) > n for n in rows)  # a rung with padding rows and runs

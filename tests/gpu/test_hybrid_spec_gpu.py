@@ -37,7 +37,8 @@ def test_ngram_speculation_on_a_hybrid_changes_no_token(tmp_path, arch):
     for sp in (GREEDY, SEEDED):
         want = [o.outputs[0].token_ids for o in plain.generate(reqs, sp)]
         assert [o.outputs[0].token_ids for o in spec.generate(reqs, sp)] == want
-    assert runner.verify_graphs.replays > 0  # the verify steps ran from their graphs
+    g = runner.verify_graphs  # the verify steps and their folds ran from their graphs
+    assert g.replays > 0 and g.fold_replays == g.replays
     st = spec.engine.stats.spec
     assert 0 < st.num_accepted_tokens < st.num_draft_tokens, st
 
@@ -51,5 +52,6 @@ def test_mtp_speculation_on_cuda_changes_no_token(trained_mtp_ckpt):
     assert [o.outputs[0].token_ids for o in spec.generate(reqs, GREEDY)] == want
     runner = spec.model.runner
     assert runner.verify_graphs.replays > 0 and runner.mtp.graphs[0].replays > 0
+    assert runner.verify_graphs.fold_replays == runner.verify_graphs.replays
     st = spec.engine.stats.spec
     assert st.num_accepted_tokens >= 0.5 * st.num_draft_tokens > 0, st
