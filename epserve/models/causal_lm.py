@@ -48,14 +48,20 @@ def pre_norm_block(layer: nn.Module, mixer: nn.Module, positions: torch.Tensor,
                    meta: AttentionMetadata, rope: nn.Module):
     """One pre-norm block: ``x + mixer(norm(x))`` then ``x + ffn(norm(x))`` with the residual
     carried through the fused add+norm (``layer``'s ``input_layernorm``,
-    ``post_attention_layernorm`` and ``ffn``). A feed-forward with ``forward_prenorm`` (a MoE
-    block) takes the second add+norm itself: its router fuses with it. Returns (hidden,
+    ``post_attention_layernorm`` and ``ffn``). A mixer with ``forward_prenorm`` (gated
+    DeltaNet) takes the first add+norm itself: its input projection fuses with it; a
+    feed-forward with ``forward_prenorm`` (a MoE block) the second: its router fuses with it. Returns (hidden,
     residual), [T, H] each."""
-    if residual is None:
+    mixer_prenorm = getattr(mixer, "forward_prenorm", None)
+    if mixer_prenorm is not None:  # the mixer takes the input norm itself (fused with it)
+        hidden, residual = mixer_prenorm(positions, hidden, residual, layer.input_layernorm,
+                                         cache, meta, rope)
+    elif residual is None:
         residual, hidden = hidden, layer.input_layernorm(hidden)
+        hidden = mixer(positions, hidden, cache, meta, rope)  # [T, H]
     else:
         hidden, residual = layer.input_layernorm(hidden, residual)
-    hidden = mixer(positions, hidden, cache, meta, rope)  # [T, H]
+        hidden = mixer(positions, hidden, cache, meta, rope)  # [T, H]
     prenorm = getattr(layer.ffn, "forward_prenorm", None)
     if prenorm is not None:
         return prenorm(hidden, residual, layer.post_attention_layernorm, meta.slot_mapping)
