@@ -17,7 +17,8 @@ from torch import nn
 from epserve.kernels.attention import AttentionMetadata
 from epserve.models.config import ModelConfig
 from epserve.models.layer_cache import KvCacheSpec, LayerCacheSpec
-from epserve.models.layers import Attention, RMSNorm, RotaryEmbedding, WeightMap, map_attention
+from epserve.models.layers import (Attention, RMSNorm, RotaryEmbedding, WeightMap, add_norm,
+                                   map_attention)
 from epserve.models.parallel import ParallelInfo
 
 KVCache = tuple[torch.Tensor, torch.Tensor]  # (k_cache, v_cache), or a linear layer's states
@@ -48,19 +49,17 @@ def pre_norm_block(layer: nn.Module, mixer: nn.Module, positions: torch.Tensor,
                    meta: AttentionMetadata, rope: nn.Module):
     """One pre-norm block: ``x + mixer(norm(x))`` then ``x + ffn(norm(x))`` with the residual
     carried through the fused add+norm (``layer``'s ``input_layernorm``,
-    ``post_attention_layernorm`` and ``ffn``). A mixer with ``forward_prenorm`` (gated
-    DeltaNet) takes the first add+norm itself: its input projection fuses with it; a
+    ``post_attention_layernorm`` and ``ffn``). A mixer with ``forward_prenorm`` (the hybrids'
+    DeltaNet and gated attention) takes the first add+norm itself: its input projection
+    fuses with it; a
     feed-forward with ``forward_prenorm`` (a MoE block) the second: its router fuses with it. Returns (hidden,
     residual), [T, H] each."""
     mixer_prenorm = getattr(mixer, "forward_prenorm", None)
     if mixer_prenorm is not None:  # the mixer takes the input norm itself (fused with it)
         hidden, residual = mixer_prenorm(positions, hidden, residual, layer.input_layernorm,
                                          cache, meta, rope)
-    elif residual is None:
-        residual, hidden = hidden, layer.input_layernorm(hidden)
-        hidden = mixer(positions, hidden, cache, meta, rope)  # [T, H]
     else:
-        hidden, residual = layer.input_layernorm(hidden, residual)
+        hidden, residual = add_norm(layer.input_layernorm, hidden, residual)
         hidden = mixer(positions, hidden, cache, meta, rope)  # [T, H]
     prenorm = getattr(layer.ffn, "forward_prenorm", None)
     if prenorm is not None:

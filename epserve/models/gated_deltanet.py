@@ -44,7 +44,8 @@ from epserve.kernels.linear import linear
 from epserve.kernels.norm import gated_rms_norm
 from epserve.models.config import ModelConfig
 from epserve.models.layer_cache import StateCacheSpec
-from epserve.models.layers import RMSNorm, WeightMap, ZeroCentredRMSNorm, part_major_rows
+from epserve.models.layers import (RMSNorm, WeightMap, ZeroCentredRMSNorm, add_norm,
+                                   part_major_rows)
 
 StatePair = tuple[torch.Tensor, torch.Tensor]  # (conv_state [N, C, K-1], recurrent [N, Hv, Dk, Dv])
 
@@ -134,10 +135,7 @@ class GatedDeltaNet(nn.Module):
                 hidden, residual, norm.weight, norm.eps, self.in_proj.weight, self.conv_weight,
                 conv_state, slots, fresh, qsl, True)
             return self._rule_out(mixed, rest, rec_state, slots, fresh, qsl, True, 1), residual
-        if residual is None:
-            residual, hidden = hidden, norm(hidden)
-        else:
-            hidden, residual = norm(hidden, residual)
+        hidden, residual = add_norm(norm, hidden, residual)
         return self.forward(positions, hidden, states, meta, rope), residual
 
     def _rule_out(self, mixed: torch.Tensor, rest: torch.Tensor, rec_state: torch.Tensor,

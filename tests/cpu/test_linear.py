@@ -76,3 +76,47 @@ def test_bad_arguments_raise(x_shape, w_shape, dtype, match):
     w = torch.ones(w_shape, dtype=torch.float32 if dtype == torch.int32 else dtype)
     with pytest.raises(ValueError, match=match):
         lt.linear_gemv_triton(x, w)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("residual,n,k", [(True, 40, 96), (False, 9, 300), (True, 64, 20)],
+                         ids=lambda v: str(v))
+def test_add_norm_gemv_matches_the_norm_then_the_gemv(residual, n, k, dtype, monkeypatch):
+    """A block's zero-centred input norm in the GEMV's launch (the attention projection of the
+    hybrids at one row): the norm's own launch then the GEMV's (interpreted), and the
+    references; the new residual is the sum (or the input itself); the entry takes it at one
+    row and gives the two ops' result at two."""
+    from epserve.kernels.linear import add_norm_linear
+    from epserve.kernels.norm import (fused_add_zero_centred_rms_norm_ref,
+                                      zero_centred_rms_norm_ref)
+    norm_k = interpreted_modules("norm")[0]
+    use_interpreted(monkeypatch, ("linear", "norm"), (lt, norm_k))
+    g = torch.Generator().manual_seed(n + k)
+    x = torch.randn(1, k, generator=g).to(dtype)
+    res = torch.randn(1, k, generator=g).to(dtype) if residual else None
+    nw = (0.2 * torch.randn(k, generator=g)).to(dtype)
+    w = (torch.randn(n, k, generator=g) * k ** -0.5).to(dtype)
+    out, new_res = lt.add_norm_gemv_triton(x, res, nw, 1e-6, w)
+    if residual:
+        normed, two_res = norm_k.fused_add_rms_norm_triton(x, res, nw, 1e-6, zero_centred=True)
+        assert torch.equal(new_res, two_res)
+    else:
+        normed = norm_k.rms_norm_triton(x, nw, 1e-6, zero_centred=True)
+        assert new_res is x
+    tol = dict(rtol=1e-5, atol=1e-5) if dtype == torch.float32 else dict(rtol=2e-2, atol=2e-2)
+    torch.testing.assert_close(out.float(), lt.linear_gemv_triton(normed, w).float(), **tol)
+    ref_in = (zero_centred_rms_norm_ref(x, nw, 1e-6) if res is None else
+              fused_add_zero_centred_rms_norm_ref(x, res, nw, 1e-6)[0])
+    torch.testing.assert_close(out.float(), linear_ref(ref_in, w).float(), **tol)
+    two_rows = torch.cat([x, x])  # not one row: the two ops
+    got, _ = add_norm_linear(two_rows, None if res is None else torch.cat([res, res]), nw, 1e-6,
+                             w)
+    torch.testing.assert_close(got[:1].float(), out.float(), **tol)
+
+
+def test_add_norm_gemv_refuses_what_it_cannot_run():
+    x, w = torch.randn(1, 8), torch.randn(4, 8)
+    with pytest.raises(ValueError, match="norm_weight"):
+        lt.add_norm_gemv_triton(x, None, torch.zeros(4), 1e-6, w)
+    with pytest.raises(ValueError, match="share"):
+        lt.add_norm_gemv_triton(x, torch.randn(1, 8).double(), torch.zeros(8), 1e-6, w)

@@ -31,42 +31,7 @@ import triton.language as tl
 
 from epserve.kernels.dispatch import (DTYPES, MAX_CONV_WIDTH, check_devices, check_state_step,
                                       interpreted)
-from epserve.kernels.triton.linear import default_gemv_tiles, gemv_block
-
-
-@triton.jit
-def _zc_norm_gemv_block(h_ptr, r_ptr, nw_ptr, res_out_ptr, w_ptr, rows, N, stride_wn, eps,
-                        K: tl.constexpr, K_P: tl.constexpr, BLOCK_N: tl.constexpr,
-                        BLOCK_K: tl.constexpr, HAS_RES: tl.constexpr):
-    """``gemv_block`` of the rows over ``zero_centred_rms_norm(h + r)`` (``r`` when HAS_RES;
-    the sum rounded to h's dtype, stored by program 0 at ``res_out``), normalised as
-    ``norm``'s kernel does: each program reads the whole row once for its sum of squares,
-    then normalises each block it streams."""
-    offs = tl.arange(0, K_P)
-    m = offs < K
-    s = tl.load(h_ptr + offs, mask=m, other=0.0)
-    dt = s.dtype
-    if HAS_RES:
-        s = (s.to(tl.float32) + tl.load(r_ptr + offs, mask=m, other=0.0).to(tl.float32)).to(dt)
-        if tl.program_id(0) == 0:
-            tl.store(res_out_ptr + offs, s, mask=m)
-    sf = s.to(tl.float32)
-    rstd = tl.rsqrt(tl.sum(sf * sf, axis=0) / K + eps)
-    r_ok = rows < N
-    w_rows = w_ptr + rows[:, None].to(tl.int64) * stride_wn
-    acc = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
-    for k0 in range(0, K, BLOCK_K):
-        cols = k0 + tl.arange(0, BLOCK_K)
-        c_ok = cols < K
-        w = tl.load(w_rows + cols[None, :], mask=r_ok[:, None] & c_ok[None, :], other=0.0)
-        xv = tl.load(h_ptr + cols, mask=c_ok, other=0.0)
-        if HAS_RES:
-            xv = (xv.to(tl.float32) + tl.load(r_ptr + cols, mask=c_ok,
-                                              other=0.0).to(tl.float32)).to(dt)
-        nw = tl.load(nw_ptr + cols, mask=c_ok, other=0.0).to(tl.float32)
-        xn = ((xv.to(tl.float32) * rstd) * (1.0 + nw)).to(dt)  # as the norm's kernel rounds
-        acc += w.to(tl.float32) * xn.to(tl.float32)[None, :]
-    return tl.sum(acc, axis=1)
+from epserve.kernels.triton.linear import default_gemv_tiles, gemv_block, zc_norm_gemv_block
 
 
 @triton.jit
@@ -75,11 +40,11 @@ def _in_proj_conv_kernel(x_ptr, r_ptr, nw_ptr, res_out_ptr, w_ptr, cw_ptr, pool_
                          stride_pk, eps, K: tl.constexpr, K_P: tl.constexpr, KW: tl.constexpr,
                          BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, NORM: tl.constexpr,
                          HAS_RES: tl.constexpr):
-    """NORM: x is the layer's un-normalised input (``_zc_norm_gemv_block``'s prologue)."""
+    """NORM: x is the layer's un-normalised input (``zc_norm_gemv_block``'s prologue)."""
     rows = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     r_ok = rows < N
     if NORM:
-        y = _zc_norm_gemv_block(x_ptr, r_ptr, nw_ptr, res_out_ptr, w_ptr, rows, N, stride_wn,
+        y = zc_norm_gemv_block(x_ptr, r_ptr, nw_ptr, res_out_ptr, w_ptr, rows, N, stride_wn,
                                 eps, K, K_P, BLOCK_N, BLOCK_K, HAS_RES)
     else:
         y = gemv_block(x_ptr, w_ptr, rows, N, stride_wn, K, BLOCK_N, BLOCK_K)
