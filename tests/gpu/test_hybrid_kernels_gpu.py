@@ -375,6 +375,10 @@ def test_deltanet_projections_fused(dtype, fresh):
     normed, want_res = fused_add_rms_norm_triton(x, res, nw_in, EPS, zero_centred=True)
     want = in_proj_conv_triton(normed, w_in, cw, pool4, slots, fr)
     assert torch.equal(new_res, want_res) and _rel(got, want) < tol and _rel(pool3, pool4) < tol
+    from epserve.kernels.triton.linear import add_norm_gemv_triton  # the attention's projection
+
+    got, new_res = add_norm_gemv_triton(x, res, nw_in, EPS, w_in)
+    assert torch.equal(new_res, want_res) and _rel(got, linear_gemv_triton(normed, w_in)) < tol
 
 
 def test_fused_projections_graph_timing_at_batch_1():
@@ -382,7 +386,7 @@ def test_fused_projections_graph_timing_at_batch_1():
     from epserve.kernels.causal_conv import causal_conv_step
     from epserve.kernels.deltanet_proj import (add_norm_in_proj_conv, gated_norm_out_proj,
                                                in_proj_conv)
-    from epserve.kernels.linear import linear
+    from epserve.kernels.linear import add_norm_linear, linear
     from epserve.kernels.norm import fused_add_zero_centred_rms_norm
     from epserve.kernels.moe import combine_pairs, fused_moe_pairs
     from epserve.kernels.norm import gated_rms_norm
@@ -401,6 +405,9 @@ def test_fused_projections_graph_timing_at_batch_1():
                                           True),
             lambda: in_proj_conv(fused_add_zero_centred_rms_norm(x, res, nw_in, EPS)[0], w_in,
                                  cw, pool, slots, fr, (0, 1), True)),
+        "input norm + a projection's GEMV": (
+            lambda: add_norm_linear(x, res, nw_in, EPS, w_in),
+            lambda: linear(fused_add_zero_centred_rms_norm(x, res, nw_in, EPS)[0], w_in)),
         "in_proj + conv": (lambda: in_proj_conv(x, w_in, cw, pool, slots, fr, (0, 1), True),
                            lambda: causal_conv_step(linear(x, w_in)[:, :c], cw, pool, slots, fr,
                                                     (0, 1), True)),
