@@ -124,8 +124,9 @@ class GatedDeltaNet(nn.Module):
         """The block's input norm ``norm`` (residual added first; None at the first layer),
         then ``forward``: ``(output, new residual)``. A one-sequence decode step with a
         zero-centred norm runs the norm inside the input projection's launch on the Triton
-        path (``add_norm_in_proj_conv``): a batch-1 decode is then three launches a layer
-        for the norm, the projections and the rule."""
+        path (``add_norm_in_proj_conv``): the layer's mixer at batch 1 is then three launches
+        (the norm with the input projection and the conv, the rule, the gated norm with the
+        output projection)."""
         qsl = meta.query_start_loc
         if meta.state_runs is None and qsl == (0, 1) and hidden.shape[0] == 1 and \
                 meta.state_slots is not None and isinstance(norm, ZeroCentredRMSNorm):
