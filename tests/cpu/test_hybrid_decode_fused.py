@@ -90,6 +90,7 @@ def test_decode_on_the_kernels_matches_transformers(models, batch, cuda_path):
     sched.check(hf, ATOL)
 
 
+@pytest.mark.parametrize("ckpt", ["qwen3_5_moe"], indirect=True)  # one MoE block for both
 def test_a_batch_1_decode_under_ep_keeps_the_exchange(ckpt, models, cuda_path, monkeypatch):
     _, ours, cfg = models
     fmt, sek = (_MODS[_NAMES.index(n)] for n in ("fused_moe", "shared_expert"))

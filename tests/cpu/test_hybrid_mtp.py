@@ -90,3 +90,11 @@ def test_a_checkpoint_without_an_mtp_head_is_refused(tmp_path):
     ckpt = make_tiny_checkpoint("qwen3_next", tmp_path / "plain")
     with pytest.raises(ValueError, match="speculative_config.method='mtp'.*no MTP head"):
         _llm(ckpt, speculative_config=_mtp(2))
+
+
+def test_a_decode_lookahead_asked_for_beside_an_mtp_head_is_refused(trained_mtp_ckpt):
+    """A forward queued ahead would overwrite the hidden states the MTP head reads: asked for
+    explicitly, the combination is refused at start, naming both (by default the lookahead is
+    simply off with an MTP head)."""
+    with pytest.raises(ValueError, match="decode_lookahead.*'mtp'"):
+        _llm(trained_mtp_ckpt, speculative_config=_mtp(2), decode_lookahead=True)
