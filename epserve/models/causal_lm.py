@@ -17,8 +17,7 @@ from torch import nn
 from epserve.kernels.attention import AttentionMetadata
 from epserve.models.config import ModelConfig
 from epserve.models.layer_cache import KvCacheSpec, LayerCacheSpec
-from epserve.models.layers import (Attention, RMSNorm, RotaryEmbedding, WeightMap, add_norm,
-                                   map_attention)
+from epserve.models.layers import Attention, RMSNorm, RotaryEmbedding, WeightMap, map_attention
 from epserve.models.parallel import ParallelInfo
 
 KVCache = tuple[torch.Tensor, torch.Tensor]  # (k_cache, v_cache), or a linear layer's states
@@ -42,6 +41,15 @@ class DecoderLayer(nn.Module):
 
     def cache_spec(self) -> KvCacheSpec:
         return KvCacheSpec(self.self_attn.num_kv_heads, self.self_attn.head_dim)
+
+
+def add_norm(norm: nn.Module, hidden: torch.Tensor,
+             residual: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+    """A block's input norm with the residual carried: ``(normed, new residual)``; without a
+    residual (the first block) the input itself is the residual."""
+    if residual is None:
+        return norm(hidden), hidden
+    return norm(hidden, residual)
 
 
 def pre_norm_block(layer: nn.Module, mixer: nn.Module, positions: torch.Tensor,

@@ -24,7 +24,8 @@ from epserve.kernels.linear import add_norm_linear, linear
 from epserve.kernels.rope_attention import rope_and_attend
 from epserve.models.config import ModelConfig
 from epserve.models.layer_cache import KvCacheSpec
-from epserve.models.layers import (RotaryEmbedding, WeightMap, ZeroCentredRMSNorm, add_norm,
+from epserve.models.causal_lm import add_norm
+from epserve.models.layers import (RotaryEmbedding, WeightMap, ZeroCentredRMSNorm,
                                    part_major_rows)
 
 

@@ -44,8 +44,8 @@ from epserve.kernels.linear import linear
 from epserve.kernels.norm import gated_rms_norm
 from epserve.models.config import ModelConfig
 from epserve.models.layer_cache import StateCacheSpec
-from epserve.models.layers import (RMSNorm, WeightMap, ZeroCentredRMSNorm, add_norm,
-                                   part_major_rows)
+from epserve.models.causal_lm import add_norm
+from epserve.models.layers import RMSNorm, WeightMap, ZeroCentredRMSNorm, part_major_rows
 
 StatePair = tuple[torch.Tensor, torch.Tensor]  # (conv_state [N, C, K-1], recurrent [N, Hv, Dk, Dv])
 

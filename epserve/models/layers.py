@@ -64,15 +64,6 @@ class ZeroCentredRMSNorm(nn.Module):
         return fused_add_zero_centred_rms_norm(x, residual, self.weight, self.eps)
 
 
-def add_norm(norm: nn.Module, hidden: torch.Tensor,
-             residual: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
-    """A block's input norm with the residual carried: ``(normed, new residual)``; without a
-    residual (the first block) the input itself is the residual."""
-    if residual is None:
-        return norm(hidden), hidden
-    return norm(hidden, residual)
-
-
 class RotaryEmbedding(nn.Module):
     """The float32 cos/sin cache ``[max_positions, R/2]``, shared by every attention layer; R
     is the rotated dims of a head (its head dim, or fewer with partial rotary)."""
