@@ -82,7 +82,7 @@ def graph_replay_ms(llm: LLM, batch: int, iters: int = 50) -> float | None:
     b = graph_batch(batch)
     if graphs is None or b not in graphs._graphs:
         return None
-    graph, _ = graphs._graphs[b]
+    graph = graphs._graphs[b][0]  # (graph, output, logged rows)
     blocks = model.pool.allocate(-(-b // runner.block_size))
     slots = [blocks[i // runner.block_size] * runner.block_size + i % runner.block_size
              for i in range(b)]
