@@ -106,7 +106,8 @@ class DecodeGraphs:
 
     def _state_runs(self, b: int) -> StateRuns | None:
         """Rung ``b``'s runs: the static buffers (the truth at replay) behind placeholders,
-        every row a held one-row run on the spare slot, as ``RunsBuffers`` starts."""
+        every row a held one-row run on the spare slot (``load_placeholders`` puts them in
+        the buffers for the warm-up and the capture)."""
         if self._runs is None:
             return None
         return StateRuns(tuple(range(b + 1)), np.full(b, self.spare_state_slot),
@@ -136,6 +137,7 @@ class DecodeGraphs:
         pool = torch.cuda.graph_pool_handle()
         torch.cuda.synchronize(self.device)
         for b in sorted(self.rungs, reverse=True):
+            self.load_placeholders(b)
             ids, pos = self.input_ids[:b], self.positions[:b]
             side = torch.cuda.Stream(self.device)
             side.wait_stream(torch.cuda.current_stream(self.device))
@@ -172,6 +174,15 @@ class DecodeGraphs:
         return StateRuns(tuple(range(b + 1)) + (b,) * (g - b),
                          np.full(g, self.spare_state_slot), np.ones(g, dtype=bool),
                          tuple(range(g)), self._fold_runs.views(g))
+
+    def load_placeholders(self, b: int) -> None:
+        """Rung ``b``'s placeholder runs into the static buffers, as its warm-up and capture
+        read them: a verify's b rows each a held one-row run, a fold's grid of 2b runs those
+        b runs then b empty ones (the grid covers exactly the b logged rows)."""
+        if self._runs is not None:
+            self._runs.load(self._state_runs(b))
+        if self._fold_runs is not None:
+            self._fold_runs.load(self._fold_placeholders(b))
 
     def _capture_fold(self, b: int, logged: list, pool) -> torch.cuda.CUDAGraph:
         """Rung ``b``'s fold over its verify graph's logged rows, placeholders held (twice

@@ -66,3 +66,24 @@ def test_runs_that_do_not_fit_a_grid_are_refused():
         runs.padded(6, 8, 0)  # fewer rows than the runs cover
     with pytest.raises(ValueError, match="do not pad"):
         runs.padded(8, 3, 0)  # no run left for the padding row
+
+
+def test_a_rungs_warm_up_and_capture_read_runs_over_its_own_rows():
+    """Before a verify rung's warm-up and capture, its buffers hold placeholders over exactly
+    its rows: b held one-row runs on the spare slot, and for its fold's grid of 2b runs those
+    b then b empty runs. (The buffers start as one-row runs up to the largest grid: a fold of
+    rung b warmed up on them read and wrote rows b..2b-1 of its b logged rows, an illegal
+    memory access on the H200.)"""
+    import torch
+
+    from epserve.worker.cuda_graphs import DecodeGraphs
+
+    graphs = DecodeGraphs(lambda *a: None, torch.device("cpu"), 4, 16, 2, spare_state_slot=9,
+                          runs=True, fold=lambda logged, runs: None)
+    for b in sorted(graphs.rungs, reverse=True):
+        graphs.load_placeholders(b)
+        slots, cu, fresh, hold = (t.tolist() for t in graphs._runs.views(b))
+        assert (slots, cu, fresh, hold) == ([9] * b, list(range(b + 1)), [True] * b, [True] * b)
+        slots, cu, fresh, hold = (t.tolist() for t in graphs._fold_runs.views(2 * b))
+        assert cu == list(range(b + 1)) + [b] * b, b
+        assert slots == [9] * (2 * b) and hold == [True] * (2 * b)
