@@ -141,10 +141,13 @@ def run_epserve(cfg: dict, work: dict, args, dtype: str) -> list[Result]:
         warm = prompts(min(n, WARM_REQUESTS), in_len, cfg["vocab_size"], seed=1)
         llm.generate([{"prompt_token_ids": p} for p in warm],
                      SamplingParams(temperature=0.0, max_tokens=WARM_TOKENS, ignore_eos=True))
-        ps = [{"prompt_token_ids": p} for p in prompts(n, in_len, cfg["vocab_size"], seed=0)]
         sp = SamplingParams(temperature=0.0, max_tokens=out_len, ignore_eos=True)
         runs = []
         for rep in range(args.repeats):
+            # each run its own prompts (seed 0 first, as transformers'): a repeat of the same
+            # prompts would be served from the prefix cache
+            ps = [{"prompt_token_ids": p}
+                  for p in prompts(n, in_len, cfg["vocab_size"], seed=rep and 100 + rep)]
             runs.append(_timed_run(llm, ps, sp, name, steps, forwards, prof, profiling, args))
             if args.repeats > 1:
                 print(f"[epserve {name}] run {rep + 1} of {args.repeats}: "
@@ -206,7 +209,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     ap.add_argument("--skip-transformers", action="store_true")
     ap.add_argument("--repeats", type=int, default=1,
-                    help="epserve: time each workload this many times, report the median run")
+                    help="epserve: time each workload this many times (new prompts each "
+                    "time), report the median run")
     ap.add_argument("--profile-outside", type=int, default=0, metavar="N",
                     help="cProfile the host work outside the forwards; print its top N")
     ap.add_argument("--max-num-seqs", type=int, default=256)
