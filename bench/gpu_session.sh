@@ -66,10 +66,10 @@ export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1
 # not the H200 bars')
 L=40; [ "$(nvidia-smi --query-gpu=memory.total --format=csv,noheader,nounits | head -1)" -lt \
   100000 ] && L=20
-# touched since the last GPU run (session 17, H100: 63 of 65 of these green; the hybrid spec
-# tests green on the verify and MTP graphs): the fold graphs, the graph-timed verify test, the
-# fused projections' timing bound, the input norms fused into the hybrids' input projections. tests-rest runs the others (~4 min). The first call on a
-# fresh machine compiles every kernel: give it the whole 600 s.
+# touched since the last GPU run (session 18, H200: tests/gpu 156 passed, 1 failed, the input
+# norm fused into the DeltaNet projection, since reverted): the fold graphs' placeholder
+# runs, the MTP cost at k = 3. tests-rest runs the others (~4 min). The first call on a fresh
+# machine compiles every kernel: give it the whole 600 s.
 NEW="hybrid or gated_delta or cuda_graphs or warmup or spec"
 case "$stage" in
   tests)

@@ -9,9 +9,6 @@ torch references and entries.
   the output projection: ``linear(gated_rms_norm(o, z, w, eps).reshape(n, Hv Dv), w_out)``
   (``gated_norm_out_proj_ref``: the references).
 
-``add_norm_in_proj_conv`` is the layer's zero-centred input norm (with the residual add) and
-then ``in_proj_conv``.
-
 At one row on the Triton path (a batch-1 decode step, as a CUDA graph captures it) each is one
 launch of ``epserve.kernels.triton.deltanet_proj``: the GEMV with the conv in its epilogue (a
 program's output rows are its conv channels: no other program touches their state), and the
@@ -30,8 +27,7 @@ from epserve.kernels.causal_conv import causal_conv1d_ref, causal_conv_step
 from epserve.kernels.dispatch import (DTYPES, MAX_CONV_WIDTH, MAX_NORM_H, gather_states,
                                       scatter_states, use_triton)
 from epserve.kernels.linear import linear, linear_ref
-from epserve.kernels.norm import (fused_add_zero_centred_rms_norm, gated_rms_norm,
-                                  gated_rms_norm_ref, zero_centred_rms_norm)
+from epserve.kernels.norm import gated_rms_norm, gated_rms_norm_ref
 
 
 def in_proj_conv_ref(x: torch.Tensor, w_in: torch.Tensor, conv_weight: torch.Tensor,
@@ -67,36 +63,6 @@ def in_proj_conv(x: torch.Tensor, w_in: torch.Tensor, conv_weight: torch.Tensor,
     proj = linear(x, w_in)
     y = causal_conv_step(proj[:, :c], conv_weight, state_pool, slots, fresh, cu_seqlens, decode)
     return y, proj[:, c:]
-
-
-def add_norm_in_proj_conv(hidden: torch.Tensor, residual: torch.Tensor | None,
-                          norm_weight: torch.Tensor, eps: float, w_in: torch.Tensor,
-                          conv_weight: torch.Tensor, state_pool: torch.Tensor,
-                          slots: torch.Tensor, fresh: torch.Tensor, cu_seqlens: Sequence[int],
-                          decode: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """The layer's zero-centred input norm, then ``in_proj_conv``: ``x, residual =
-    fused_add_zero_centred_rms_norm(hidden, residual, norm_weight, eps)`` (without a residual:
-    ``zero_centred_rms_norm(hidden)``, and ``hidden`` is the residual), then ``in_proj_conv(x,
-    ...)``. Returns ``(y, rest, residual)``. At one row on the Triton path one launch: the
-    GEMV's prologue normalises the row (each program reads it whole for the sum of squares)."""
-    if decode and hidden.dim() == 2 and hidden.shape == (1, norm_weight.shape[0]) \
-            and hidden.shape[1] <= MAX_NORM_H and _in_covers(
-            hidden, w_in, conv_weight, state_pool, slots) and norm_weight.dtype in DTYPES \
-            and norm_weight.device == hidden.device and (residual is None or (
-                residual.dtype == hidden.dtype and residual.shape == hidden.shape
-                and residual.stride(-1) == 1)):
-        from epserve.kernels.triton.deltanet_proj import add_norm_in_proj_conv_triton
-
-        c = conv_weight.shape[0]
-        out, residual = add_norm_in_proj_conv_triton(hidden, residual, norm_weight, eps, w_in,
-                                                     conv_weight, state_pool, slots, fresh)
-        return out[:, :c], out[:, c:], residual
-    if residual is None:
-        x, residual = zero_centred_rms_norm(hidden, norm_weight, eps), hidden
-    else:
-        x, residual = fused_add_zero_centred_rms_norm(hidden, residual, norm_weight, eps)
-    y, rest = in_proj_conv(x, w_in, conv_weight, state_pool, slots, fresh, cu_seqlens, decode)
-    return y, rest, residual
 
 
 def _in_covers(x, w_in, conv_weight, pool, slots) -> bool:

@@ -43,32 +43,19 @@ class DecoderLayer(nn.Module):
         return KvCacheSpec(self.self_attn.num_kv_heads, self.self_attn.head_dim)
 
 
-def add_norm(norm: nn.Module, hidden: torch.Tensor,
-             residual: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
-    """A block's input norm with the residual carried: ``(normed, new residual)``; without a
-    residual (the first block) the input itself is the residual."""
-    if residual is None:
-        return norm(hidden), hidden
-    return norm(hidden, residual)
-
-
 def pre_norm_block(layer: nn.Module, mixer: nn.Module, positions: torch.Tensor,
                    hidden: torch.Tensor, residual: torch.Tensor | None, cache: KVCache,
                    meta: AttentionMetadata, rope: nn.Module):
     """One pre-norm block: ``x + mixer(norm(x))`` then ``x + ffn(norm(x))`` with the residual
     carried through the fused add+norm (``layer``'s ``input_layernorm``,
-    ``post_attention_layernorm`` and ``ffn``). A mixer with ``forward_prenorm`` (the hybrids'
-    DeltaNet and gated attention) takes the first add+norm itself: its input projection
-    fuses with it; a
-    feed-forward with ``forward_prenorm`` (a MoE block) the second: its router fuses with it. Returns (hidden,
+    ``post_attention_layernorm`` and ``ffn``). A feed-forward with ``forward_prenorm`` (a MoE
+    block) takes the second add+norm itself: its router fuses with it. Returns (hidden,
     residual), [T, H] each."""
-    mixer_prenorm = getattr(mixer, "forward_prenorm", None)
-    if mixer_prenorm is not None:  # the mixer takes the input norm itself (fused with it)
-        hidden, residual = mixer_prenorm(positions, hidden, residual, layer.input_layernorm,
-                                         cache, meta, rope)
+    if residual is None:
+        residual, hidden = hidden, layer.input_layernorm(hidden)
     else:
-        hidden, residual = add_norm(layer.input_layernorm, hidden, residual)
-        hidden = mixer(positions, hidden, cache, meta, rope)  # [T, H]
+        hidden, residual = layer.input_layernorm(hidden, residual)
+    hidden = mixer(positions, hidden, cache, meta, rope)  # [T, H]
     prenorm = getattr(layer.ffn, "forward_prenorm", None)
     if prenorm is not None:
         return prenorm(hidden, residual, layer.post_attention_layernorm, meta.slot_mapping)

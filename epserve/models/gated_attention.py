@@ -20,11 +20,10 @@ import torch
 from torch import nn
 
 from epserve.kernels.attention import AttentionMetadata
-from epserve.kernels.linear import add_norm_linear, linear
+from epserve.kernels.linear import linear
 from epserve.kernels.rope_attention import rope_and_attend
 from epserve.models.config import ModelConfig
 from epserve.models.layer_cache import KvCacheSpec
-from epserve.models.causal_lm import add_norm
 from epserve.models.layers import (RotaryEmbedding, WeightMap, ZeroCentredRMSNorm,
                                    part_major_rows)
 
@@ -49,28 +48,9 @@ class GatedAttention(nn.Module):
                 kv_cache: tuple[torch.Tensor, torch.Tensor], meta: AttentionMetadata,
                 rope: RotaryEmbedding) -> torch.Tensor:
         """x: [T, H]; kv_cache: ([NB, BS, Hkv, D], same). Writes this step's K/V; returns [T, H]."""
-        return self._attend(positions, linear(x, self.qkvg_proj.weight), kv_cache, meta, rope)
-
-    def forward_prenorm(self, positions: torch.Tensor, hidden: torch.Tensor,
-                        residual: torch.Tensor | None, norm: nn.Module,
-                        kv_cache: tuple[torch.Tensor, torch.Tensor], meta: AttentionMetadata,
-                        rope: RotaryEmbedding) -> tuple[torch.Tensor, torch.Tensor]:
-        """The block's input norm ``norm`` (residual added first; None at the first layer),
-        then ``forward``: ``(output, new residual)``. With a zero-centred norm the norm runs in
-        the projection's launch at one row on the Triton path (``add_norm_linear``)."""
-        if isinstance(norm, ZeroCentredRMSNorm):
-            qkvg, residual = add_norm_linear(hidden, residual, norm.weight, norm.eps,
-                                             self.qkvg_proj.weight)
-            return self._attend(positions, qkvg, kv_cache, meta, rope), residual
-        hidden, residual = add_norm(norm, hidden, residual)
-        return self.forward(positions, hidden, kv_cache, meta, rope), residual
-
-    def _attend(self, positions: torch.Tensor, qkvg: torch.Tensor,
-                kv_cache: tuple[torch.Tensor, torch.Tensor], meta: AttentionMetadata,
-                rope: RotaryEmbedding) -> torch.Tensor:
-        """From the projection [T, 2 Hq D + 2 Hkv D] on: attention, the gate, ``o_proj``."""
-        t, qs, ks = qkvg.shape[0], self.q_size, self.kv_size
+        t, qs, ks = x.shape[0], self.q_size, self.kv_size
         hq, hkv, d = self.num_heads, self.num_kv_heads, self.head_dim
+        qkvg = linear(x, self.qkvg_proj.weight)  # [T, 2 Hq D + 2 Hkv D]
         q = qkvg[:, :qs].view(t, hq, d)  # [T, Hq, D] views of the projection
         gate = qkvg[:, qs:2 * qs].view(t, hq, d)
         k = qkvg[:, 2 * qs:2 * qs + ks].view(t, hkv, d)

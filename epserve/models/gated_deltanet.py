@@ -37,15 +37,13 @@ from torch import nn
 
 from epserve.kernels.attention import AttentionMetadata, StateRuns
 from epserve.kernels.causal_conv import causal_conv_step
-from epserve.kernels.deltanet_proj import (add_norm_in_proj_conv, gated_norm_out_proj,
-                                          in_proj_conv)
+from epserve.kernels.deltanet_proj import gated_norm_out_proj, in_proj_conv
 from epserve.kernels.gated_delta import gated_delta_step_gates
 from epserve.kernels.linear import linear
 from epserve.kernels.norm import gated_rms_norm
 from epserve.models.config import ModelConfig
 from epserve.models.layer_cache import StateCacheSpec
-from epserve.models.causal_lm import add_norm
-from epserve.models.layers import RMSNorm, WeightMap, ZeroCentredRMSNorm, part_major_rows
+from epserve.models.layers import RMSNorm, WeightMap, part_major_rows
 
 StatePair = tuple[torch.Tensor, torch.Tensor]  # (conv_state [N, C, K-1], recurrent [N, Hv, Dk, Dv])
 
@@ -96,7 +94,7 @@ class GatedDeltaNet(nn.Module):
             raise ValueError(f"GatedDeltaNet: query_start_loc must start at 0, got {qsl[0]}")
         runs = meta.state_runs
         t, n = x.shape[0], (qsl[-1] if runs is None else runs.cu[-1])
-        hv = self.num_v_heads
+        hv, dv = self.num_v_heads, self.head_v_dim
         conv_state, rec_state = states
         if runs is not None:  # a verify's rows: logged, the held runs' states not written
             proj = linear(x[:n], self.in_proj.weight)  # [n, C + Hv Dv + 2 Hv]
@@ -114,46 +112,10 @@ class GatedDeltaNet(nn.Module):
             decode = qsl == tuple(range(len(qsl)))
             mixed, rest = in_proj_conv(x[:n], self.in_proj.weight, self.conv_weight,
                                        conv_state, slots, fresh, qsl, decode)  # SiLU'd
-            return self._rule_out(mixed, rest, rec_state, slots, fresh, qsl, decode, t)
-        return self._out(o, z, t)
-
-    def forward_prenorm(self, positions: torch.Tensor, hidden: torch.Tensor,
-                        residual: torch.Tensor | None, norm: nn.Module, states: StatePair,
-                        meta: AttentionMetadata, rope: nn.Module | None = None
-                        ) -> tuple[torch.Tensor, torch.Tensor]:
-        """The block's input norm ``norm`` (residual added first; None at the first layer),
-        then ``forward``: ``(output, new residual)``. A one-sequence decode step with a
-        zero-centred norm runs the norm inside the input projection's launch on the Triton
-        path (``add_norm_in_proj_conv``): the layer's mixer at batch 1 is then three launches
-        (the norm with the input projection and the conv, the rule, the gated norm with the
-        output projection)."""
-        qsl = meta.query_start_loc
-        if meta.state_runs is None and qsl == (0, 1) and hidden.shape[0] == 1 and \
-                meta.state_slots is not None and isinstance(norm, ZeroCentredRMSNorm):
-            conv_state, rec_state = states
-            slots, fresh = meta.state_slots, fresh_sequences(meta, hidden.device)
-            mixed, rest, residual = add_norm_in_proj_conv(
-                hidden, residual, norm.weight, norm.eps, self.in_proj.weight, self.conv_weight,
-                conv_state, slots, fresh, qsl, True)
-            return self._rule_out(mixed, rest, rec_state, slots, fresh, qsl, True, 1), residual
-        hidden, residual = add_norm(norm, hidden, residual)
-        return self.forward(positions, hidden, states, meta, rope), residual
-
-    def _rule_out(self, mixed: torch.Tensor, rest: torch.Tensor, rec_state: torch.Tensor,
-                  slots: torch.Tensor, fresh: torch.Tensor, qsl, decode: bool,
-                  t: int) -> torch.Tensor:
-        """After the projection and the conv: the rule (g and beta in its kernel), then
-        ``_out``."""
-        hv = self.num_v_heads
-        z, b, a = rest.split([self.value_dim, hv, hv], dim=-1)
-        o = gated_delta_step_gates(*self._qkv(mixed), a, b, self.A_log, self.dt_bias,
-                                   rec_state, slots, fresh, qsl, decode)
-        return self._out(o, z, t)
-
-    def _out(self, o: torch.Tensor, z: torch.Tensor, t: int) -> torch.Tensor:
-        """The gated norm (z read in place) and out_proj (one launch on CUDA at one row), the
-        rows past o's zero-padded to ``t``."""
-        n, hv, dv = o.shape[0], self.num_v_heads, self.head_v_dim
+            z, b, a = rest.split([self.value_dim, hv, hv], dim=-1)
+            o = gated_delta_step_gates(*self._qkv(mixed), a, b, self.A_log, self.dt_bias,
+                                       rec_state, slots, fresh, qsl, decode)
+        # the gated norm (z read in place) and out_proj: one launch on CUDA at one row
         out = gated_norm_out_proj(o, z.view(n, hv, dv), self.norm.weight, self.norm.eps,
                                   self.out_proj.weight)  # [n, H]
         if n < t:  # padding rows

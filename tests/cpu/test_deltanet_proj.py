@@ -16,10 +16,8 @@ import torch
 from kernel_interp import interpreted_modules, kernel_fixtures, needs_triton
 
 import epserve.kernels.deltanet_proj as dp
-from epserve.kernels.deltanet_proj import (add_norm_in_proj_conv, gated_norm_out_proj,
-                                           gated_norm_out_proj_ref, in_proj_conv,
-                                           in_proj_conv_ref)
-from epserve.kernels.norm import fused_add_zero_centred_rms_norm
+from epserve.kernels.deltanet_proj import (gated_norm_out_proj, gated_norm_out_proj_ref,
+                                           in_proj_conv, in_proj_conv_ref)
 
 _NAMES = ("deltanet_proj", "linear", "causal_conv_update", "norm")
 _MODS = interpreted_modules(*_NAMES)
@@ -85,39 +83,6 @@ def test_in_proj_conv_kernel_bf16(interpret, monkeypatch):
 
 
 @needs_triton
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
-@pytest.mark.parametrize("residual,h,fresh", [(True, 32, False), (True, 20, True),
-                                              (False, 48, False)], ids=lambda v: str(v))
-def test_add_norm_in_proj_conv_kernel(residual, h, fresh, dtype, interpret, monkeypatch):
-    """The layer's input norm in the projection's launch: equal to the norm's own launch
-    then ``in_proj_conv``'s (interpreted: the same rounding), and to the references; the new
-    residual is the sum, stored (or the input itself without a residual)."""
-    x, w_in, cw, pool, slots, fr = _in_case(40, 24, h, 4, dtype, seed=h, fresh=fresh)
-    gen = torch.Generator().manual_seed(h + 1)
-    res = torch.randn(1, h, generator=gen).to(dtype) if residual else None
-    nw = (0.2 * torch.randn(h, generator=gen)).to(dtype)
-    two_pool, want_pool = pool.clone(), pool.clone()
-    out, new_res = dpk.add_norm_in_proj_conv_triton(x, res, nw, 1e-6, w_in, cw, pool, slots, fr)
-    if residual:  # the two launches it replaces
-        normed, two_res = norm.fused_add_rms_norm_triton(x, res, nw, 1e-6, zero_centred=True)
-        assert torch.equal(new_res, two_res)
-    else:
-        normed = norm.rms_norm_triton(x, nw, 1e-6, zero_centred=True)
-        assert new_res is x
-    two = dpk.in_proj_conv_triton(normed, w_in, cw, two_pool, slots, fr)
-    tol = FP32 if dtype == torch.float32 else BF16
-    torch.testing.assert_close(out.float(), two.float(), **tol)
-    torch.testing.assert_close(pool.float(), two_pool.float(), **tol)
-    monkeypatch.delenv("TRITON_INTERPRET")
-    from epserve.kernels.norm import zero_centred_rms_norm_ref
-
-    ref_in = zero_centred_rms_norm_ref(x if res is None else x + res, nw, 1e-6)
-    y, rest = in_proj_conv_ref(ref_in, w_in, cw, want_pool, slots, fr)
-    torch.testing.assert_close(out.float(), torch.cat([y, rest], 1).float(), **tol)
-    torch.testing.assert_close(pool.float(), want_pool.float(), **tol)
-
-
-@needs_triton
 @pytest.mark.parametrize("hv,dv,h", [(4, 16, 24), (3, 12, 40), (8, 8, 64), (1, 5, 9)],
                          ids=lambda v: str(v))
 def test_gated_norm_out_kernel(hv, dv, h, interpret, monkeypatch):
@@ -156,16 +121,11 @@ def test_entries_on_both_paths(path, rows, decode, monkeypatch):
     _, _, nw, eps, w_out = _out_case(2, 10, 16, seed=rows)
     o = torch.randn(rows, 2, 10, generator=gen)
     z = torch.randn(rows, 2 * 10 + 3, generator=gen)[:, 3:].view(rows, 2, 10)
-    want_pool, start_pool = pool.clone(), pool.clone()
-    res = torch.randn(rows, 16, generator=gen)
-    nw_in = 0.2 * torch.randn(16, generator=gen)
+    want_pool = pool.clone()
     with monkeypatch.context() as m:
         m.delenv("TRITON_INTERPRET", raising=False)
         want_y, want_rest = in_proj_conv(x, w_in, cw, want_pool, slots, fresh, cu, decode)
         want_out = gated_norm_out_proj(o, z, nw, eps, w_out)
-        normed, want_res = fused_add_zero_centred_rms_norm(x, res, nw_in, eps)
-        want_norm = in_proj_conv(normed, w_in, cw, start_pool.clone(), slots, fresh, cu,
-                                 decode)
     fused = path == "interpreter" and rows == 1
     if fused:
         for mod, fn in ((conv, "causal_conv_update_triton"), (norm, "gated_rms_norm_triton")):
@@ -174,13 +134,6 @@ def test_entries_on_both_paths(path, rows, decode, monkeypatch):
     y, rest = in_proj_conv(x, w_in, cw, pool, slots, fresh, cu, decode)
     out = gated_norm_out_proj(o, z, nw, eps, w_out)
     torch.testing.assert_close(y, want_y, **FP32)
-    if fused:  # the input norm too, in the same launch
-        monkeypatch.setattr(norm, "fused_add_rms_norm_triton",
-                            lambda *a, **k: pytest.fail("the input norm: not fused"))
-    got = add_norm_in_proj_conv(x, res, nw_in, eps, w_in, cw, start_pool, slots, fresh, cu,
-                                decode)
-    for g, w in zip(got, (*want_norm, want_res), strict=True):
-        torch.testing.assert_close(g, w, **FP32)
     torch.testing.assert_close(rest, want_rest, **FP32)
     torch.testing.assert_close(pool, want_pool, **FP32)
     torch.testing.assert_close(out, want_out, **FP32)

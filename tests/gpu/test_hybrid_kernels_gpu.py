@@ -365,29 +365,13 @@ def test_deltanet_projections_fused(dtype, fresh):
     z = got[:, c:c + HV * DV].view(1, HV, DV)
     two = linear_gemv_triton(gated_rms_norm_triton(o, z, nw, EPS).reshape(1, -1), w_out)
     assert _rel(gated_norm_out_proj_triton(o, z, nw, EPS, w_out), two) < tol
-    # the layer's input norm in the projection's launch, against the norm's own launch first
-    from epserve.kernels.triton.deltanet_proj import add_norm_in_proj_conv_triton
-    from epserve.kernels.triton.norm import fused_add_rms_norm_triton
-
-    res, nw_in = torch.randn_like(x), 0.2 * torch.randn(x.shape[1], device="cuda").to(dtype)
-    pool3, pool4 = pool2.clone(), pool2.clone()
-    got, new_res = add_norm_in_proj_conv_triton(x, res, nw_in, EPS, w_in, cw, pool3, slots, fr)
-    normed, want_res = fused_add_rms_norm_triton(x, res, nw_in, EPS, zero_centred=True)
-    want = in_proj_conv_triton(normed, w_in, cw, pool4, slots, fr)
-    assert torch.equal(new_res, want_res) and _rel(got, want) < tol and _rel(pool3, pool4) < tol
-    from epserve.kernels.triton.linear import add_norm_gemv_triton  # the attention's projection
-
-    got, new_res = add_norm_gemv_triton(x, res, nw_in, EPS, w_in)
-    assert torch.equal(new_res, want_res) and _rel(got, linear_gemv_triton(normed, w_in)) < tol
 
 
 def test_fused_projections_graph_timing_at_batch_1():
     """Microseconds per replay, fused against the launches each replaces (issue 17)."""
     from epserve.kernels.causal_conv import causal_conv_step
-    from epserve.kernels.deltanet_proj import (add_norm_in_proj_conv, gated_norm_out_proj,
-                                               in_proj_conv)
-    from epserve.kernels.linear import add_norm_linear, linear
-    from epserve.kernels.norm import fused_add_zero_centred_rms_norm
+    from epserve.kernels.deltanet_proj import gated_norm_out_proj, in_proj_conv
+    from epserve.kernels.linear import linear
     from epserve.kernels.moe import combine_pairs, fused_moe_pairs
     from epserve.kernels.norm import gated_rms_norm
     from epserve.kernels.shared_expert import shared_expert_add, shared_expert_ref
@@ -398,16 +382,7 @@ def test_fused_projections_graph_timing_at_batch_1():
     z = torch.randn(1, HV * DV + 3, device="cuda", dtype=BF)[:, 3:].view(1, HV, DV)
     case = _shared_case(1, BF, seed=51)
     routed = fused_moe_pairs(case[0], *_routed_case(E, seed=52))
-    res, nw_in = torch.randn_like(x), 0.2 * torch.randn(x.shape[1], device="cuda").to(BF)
     pairs = {
-        "input norm + in_proj + conv": (
-            lambda: add_norm_in_proj_conv(x, res, nw_in, EPS, w_in, cw, pool, slots, fr, (0, 1),
-                                          True),
-            lambda: in_proj_conv(fused_add_zero_centred_rms_norm(x, res, nw_in, EPS)[0], w_in,
-                                 cw, pool, slots, fr, (0, 1), True)),
-        "input norm + a projection's GEMV": (
-            lambda: add_norm_linear(x, res, nw_in, EPS, w_in),
-            lambda: linear(fused_add_zero_centred_rms_norm(x, res, nw_in, EPS)[0], w_in)),
         "in_proj + conv": (lambda: in_proj_conv(x, w_in, cw, pool, slots, fr, (0, 1), True),
                            lambda: causal_conv_step(linear(x, w_in)[:, :c], cw, pool, slots, fr,
                                                     (0, 1), True)),

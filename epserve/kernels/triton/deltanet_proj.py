@@ -31,24 +31,18 @@ import triton.language as tl
 
 from epserve.kernels.dispatch import (DTYPES, MAX_CONV_WIDTH, check_devices, check_state_step,
                                       interpreted)
-from epserve.kernels.triton.linear import default_gemv_tiles, gemv_block, zc_norm_gemv_block
+from epserve.kernels.triton.linear import default_gemv_tiles, gemv_block
 
 
 @triton.jit
-def _in_proj_conv_kernel(x_ptr, r_ptr, nw_ptr, res_out_ptr, w_ptr, cw_ptr, pool_ptr, slot_ptr,
-                         fresh_ptr, out_ptr, N, C, stride_wn, stride_cw, stride_pn, stride_pc,
-                         stride_pk, eps, K: tl.constexpr, K_P: tl.constexpr, KW: tl.constexpr,
-                         BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, NORM: tl.constexpr,
-                         HAS_RES: tl.constexpr):
-    """NORM: x is the layer's un-normalised input (``zc_norm_gemv_block``'s prologue)."""
+def _in_proj_conv_kernel(x_ptr, w_ptr, cw_ptr, pool_ptr, slot_ptr, fresh_ptr, out_ptr,
+                         N, C, stride_wn, stride_cw, stride_pn, stride_pc, stride_pk,
+                         K: tl.constexpr, KW: tl.constexpr, BLOCK_N: tl.constexpr,
+                         BLOCK_K: tl.constexpr):
     rows = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     r_ok = rows < N
-    if NORM:
-        y = zc_norm_gemv_block(x_ptr, r_ptr, nw_ptr, res_out_ptr, w_ptr, rows, N, stride_wn,
-                                eps, K, K_P, BLOCK_N, BLOCK_K, HAS_RES)
-    else:
-        y = gemv_block(x_ptr, w_ptr, rows, N, stride_wn, K, BLOCK_N, BLOCK_K)
-    y = y.to(out_ptr.dtype.element_ty)  # the projection, as linear's
+    y = gemv_block(x_ptr, w_ptr, rows, N, stride_wn, K, BLOCK_N,  # the projection, as
+                   BLOCK_K).to(out_ptr.dtype.element_ty)  # linear's
     # The conv update of the rows that are conv channels (causal_conv_update's kernel).
     conv = r_ok & (rows < C)
     slot = tl.load(slot_ptr).to(tl.int64)
@@ -116,34 +110,7 @@ def in_proj_conv_triton(x: torch.Tensor, w_in: torch.Tensor, conv_weight: torch.
     ``MAX_CONV_WIDTH``), state_pool [N_slots, C, K - 1] (updated in place at ``slots[0]``),
     slots [1], fresh [1] bool. Returns a new [1, N]: the conv outputs, then the other
     columns."""
-    return _in_proj_conv("in_proj_conv_triton", x, None, None, 0.0, w_in, conv_weight,
-                         state_pool, slots, fresh)[0]
-
-
-def add_norm_in_proj_conv_triton(hidden: torch.Tensor, residual: torch.Tensor | None,
-                                 norm_weight: torch.Tensor, eps: float, w_in: torch.Tensor,
-                                 conv_weight: torch.Tensor, state_pool: torch.Tensor,
-                                 slots: torch.Tensor, fresh: torch.Tensor
-                                 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """``in_proj_conv_triton`` of ``zero_centred_rms_norm(hidden + residual, norm_weight,
-    eps)`` in the same launch (``residual`` None: of ``hidden``): hidden, residual [1, H] in
-    w_in's dtype, norm_weight [H]. Returns (the [1, N] output, the new residual: a new
-    ``hidden + residual``, or ``hidden`` itself without one)."""
-    name = "add_norm_in_proj_conv_triton"
-    if norm_weight.shape != (hidden.shape[-1],) or norm_weight.dtype not in DTYPES or (
-            residual is not None and (residual.shape != hidden.shape
-                                      or residual.dtype != hidden.dtype
-                                      or residual.stride(-1) != 1)):
-        raise ValueError(f"{name}: residual {None if residual is None else tuple(residual.shape)}"
-                         f" must be hidden's {tuple(hidden.shape)} (its dtype, a contiguous "
-                         f"last dim), norm_weight {tuple(norm_weight.shape)} [H] in {DTYPES}")
-    return _in_proj_conv(name, hidden, residual, norm_weight.contiguous(), eps, w_in,
-                         conv_weight, state_pool, slots, fresh)
-
-
-def _in_proj_conv(name: str, x, residual, norm_weight, eps: float, w_in, conv_weight,
-                  state_pool, slots, fresh) -> tuple[torch.Tensor, torch.Tensor]:
-    """The checks and the launch of both entries (``norm_weight`` None: no norm)."""
+    name = "in_proj_conv_triton"
     if x.dim() != 2 or x.shape[0] != 1 or w_in.dim() != 2 or w_in.shape[1] != x.shape[1]:
         raise ValueError(f"{name}: x {tuple(x.shape)} must be [1, H] and w_in "
                          f"{tuple(w_in.shape)} [N, H]")
@@ -159,23 +126,16 @@ def _in_proj_conv(name: str, x, residual, norm_weight, eps: float, w_in, conv_we
                          f"conv_weight {conv_weight.dtype}")
     if any(t.stride(-1) != 1 for t in (x, w_in, conv_weight)):
         raise ValueError(f"{name}: x, w_in and conv_weight need a contiguous last dim")
-    norm = norm_weight is not None
-    extra = () if not norm else (norm_weight,) if residual is None else (norm_weight, residual)
-    check_devices(name, (x, w_in, conv_weight, state_pool, slots, fresh, *extra), INTERPRETED,
-                  _MODULE)
+    check_devices(name, (x, w_in, conv_weight, state_pool, slots, fresh), INTERPRETED, _MODULE)
     out = torch.empty((1, n), dtype=x.dtype, device=x.device)
-    res_out = torch.empty_like(x) if norm and residual is not None else x
     if n == 0 or h == 0:
-        return out, res_out
+        return out
     bn, bk, nw, ns = default_gemv_tiles(n, h, x.element_size())
     _in_proj_conv_kernel[(triton.cdiv(n, bn),)](
-        x, x if residual is None else residual, x if not norm else norm_weight, res_out, w_in,
-        conv_weight, state_pool, slots, fresh.view(torch.uint8), out, n, c, w_in.stride(0),
-        conv_weight.stride(0), state_pool.stride(0), state_pool.stride(1),
-        state_pool.stride(2), float(eps), K=h, K_P=triton.next_power_of_2(h), KW=kw,
-        BLOCK_N=bn, BLOCK_K=bk, NORM=norm, HAS_RES=residual is not None, num_warps=nw,
-        num_stages=ns)
-    return out, res_out
+        x, w_in, conv_weight, state_pool, slots, fresh.view(torch.uint8), out, n, c,
+        w_in.stride(0), conv_weight.stride(0), state_pool.stride(0), state_pool.stride(1),
+        state_pool.stride(2), K=h, KW=kw, BLOCK_N=bn, BLOCK_K=bk, num_warps=nw, num_stages=ns)
+    return out
 
 
 def gated_norm_out_proj_triton(o: torch.Tensor, z: torch.Tensor, norm_weight: torch.Tensor,

@@ -38,55 +38,10 @@ def gemv_block(x_ptr, w_ptr, rows, N, stride_wn,
 
 
 @triton.jit
-def zc_norm_gemv_block(h_ptr, r_ptr, nw_ptr, res_out_ptr, w_ptr, rows, N, stride_wn, eps,
-                        K: tl.constexpr, K_P: tl.constexpr, BLOCK_N: tl.constexpr,
-                        BLOCK_K: tl.constexpr, HAS_RES: tl.constexpr):
-    """``gemv_block`` of the rows over ``zero_centred_rms_norm(h + r)`` (``r`` when HAS_RES;
-    the sum rounded to h's dtype, stored by program 0 at ``res_out``), normalised as
-    ``norm``'s kernel does: each program reads the whole row once for its sum of squares,
-    then normalises each block it streams."""
-    offs = tl.arange(0, K_P)
-    m = offs < K
-    s = tl.load(h_ptr + offs, mask=m, other=0.0)
-    dt = s.dtype
-    if HAS_RES:
-        s = (s.to(tl.float32) + tl.load(r_ptr + offs, mask=m, other=0.0).to(tl.float32)).to(dt)
-        if tl.program_id(0) == 0:
-            tl.store(res_out_ptr + offs, s, mask=m)
-    sf = s.to(tl.float32)
-    rstd = tl.rsqrt(tl.sum(sf * sf, axis=0) / K + eps)
-    r_ok = rows < N
-    w_rows = w_ptr + rows[:, None].to(tl.int64) * stride_wn
-    acc = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
-    for k0 in range(0, K, BLOCK_K):
-        cols = k0 + tl.arange(0, BLOCK_K)
-        c_ok = cols < K
-        w = tl.load(w_rows + cols[None, :], mask=r_ok[:, None] & c_ok[None, :], other=0.0)
-        xv = tl.load(h_ptr + cols, mask=c_ok, other=0.0)
-        if HAS_RES:
-            xv = (xv.to(tl.float32) + tl.load(r_ptr + cols, mask=c_ok,
-                                              other=0.0).to(tl.float32)).to(dt)
-        nw = tl.load(nw_ptr + cols, mask=c_ok, other=0.0).to(tl.float32)
-        xn = ((xv.to(tl.float32) * rstd) * (1.0 + nw)).to(dt)  # as the norm's kernel rounds
-        acc += w.to(tl.float32) * xn.to(tl.float32)[None, :]
-    return tl.sum(acc, axis=1)
-
-
-@triton.jit
 def _gemv_kernel(x_ptr, w_ptr, out_ptr, N, stride_wn,
                  K: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
     rows = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     out = gemv_block(x_ptr, w_ptr, rows, N, stride_wn, K, BLOCK_N, BLOCK_K)
-    tl.store(out_ptr + rows, out.to(out_ptr.dtype.element_ty), mask=rows < N)
-
-
-@triton.jit
-def _zc_norm_gemv_kernel(h_ptr, r_ptr, nw_ptr, res_out_ptr, w_ptr, out_ptr, N, stride_wn, eps,
-                         K: tl.constexpr, K_P: tl.constexpr, BLOCK_N: tl.constexpr,
-                         BLOCK_K: tl.constexpr, HAS_RES: tl.constexpr):
-    rows = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
-    out = zc_norm_gemv_block(h_ptr, r_ptr, nw_ptr, res_out_ptr, w_ptr, rows, N, stride_wn, eps,
-                             K, K_P, BLOCK_N, BLOCK_K, HAS_RES)
     tl.store(out_ptr + rows, out.to(out_ptr.dtype.element_ty), mask=rows < N)
 
 
@@ -135,37 +90,3 @@ def linear_gemv_triton(x: torch.Tensor, w: torch.Tensor, *, block_n: int | None 
     _gemv_kernel[(triton.cdiv(n, bn),)](x, w, out, n, w.stride(0), K=k, BLOCK_N=bn, BLOCK_K=bk,
                                         num_warps=num_warps or nw, num_stages=num_stages or ns)
     return out
-
-
-def add_norm_gemv_triton(hidden: torch.Tensor, residual: torch.Tensor | None,
-                         norm_weight: torch.Tensor, eps: float,
-                         w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """``linear_ref`` of ``zero_centred_rms_norm(hidden + residual, norm_weight, eps)`` for one
-    row in one launch (``residual`` None: of ``hidden``): hidden, residual [1, K] and w [N, K]
-    one dtype of ``DTYPES`` (last dims contiguous), norm_weight [K]. Returns (the new [1, N],
-    the new residual: a new ``hidden + residual``, or ``hidden`` itself without one)."""
-    name = "add_norm_gemv_triton"
-    if hidden.dim() != 2 or hidden.shape[0] != 1 or w.dim() != 2 or \
-            w.shape[1] != hidden.shape[1] or norm_weight.shape != (hidden.shape[1],):
-        raise ValueError(f"{name}: hidden {tuple(hidden.shape)} must be [1, K], w "
-                         f"{tuple(w.shape)} [N, K] and norm_weight {tuple(norm_weight.shape)} [K]")
-    extra = () if residual is None else (residual,)
-    if hidden.dtype not in DTYPES or w.dtype != hidden.dtype or norm_weight.dtype not in DTYPES \
-            or any(t.shape != hidden.shape or t.dtype != hidden.dtype for t in extra):
-        raise ValueError(f"{name}: hidden {hidden.dtype}, residual and w share one of {DTYPES}; "
-                         f"norm_weight {norm_weight.dtype}")
-    if any(t.stride(-1) != 1 for t in (hidden, w, *extra)):
-        raise ValueError(f"{name}: hidden, residual and w need a contiguous last dim")
-    check_devices(name, [hidden, w, norm_weight, *extra], INTERPRETED,
-                  "epserve.kernels.triton.linear")
-    n, k = w.shape
-    out = torch.empty((1, n), dtype=hidden.dtype, device=hidden.device)
-    res_out = torch.empty_like(hidden) if residual is not None else hidden
-    if n == 0 or k == 0:
-        return out.zero_(), res_out
-    bn, bk, nw, ns = default_gemv_tiles(n, k, hidden.element_size())
-    _zc_norm_gemv_kernel[(triton.cdiv(n, bn),)](
-        hidden, hidden if residual is None else residual, norm_weight.contiguous(), res_out, w,
-        out, n, w.stride(0), float(eps), K=k, K_P=triton.next_power_of_2(k), BLOCK_N=bn,
-        BLOCK_K=bk, HAS_RES=residual is not None, num_warps=nw, num_stages=ns)
-    return out, res_out
