@@ -129,8 +129,7 @@ class AsyncEngine:
         self._sinks: dict[str, Outbox | _Stream] = {}
         self._dead: str | None = None
         self._suspended: str | None = None
-        self._stop = False
-        self._idle_wait_s = idle_wait_s
+        self._stop, self._idle_wait_s = False, idle_wait_s
         self._parked = threading.Event()  # set while the loop is outside any step, suspended
         self.failure: str | None = None  # why the last step broke the engine, if it did
         self.step_started_at: float | None = None
@@ -166,6 +165,7 @@ class AsyncEngine:
                 self._publish()
                 if self._guarded(self.engine.keep_alive) is _BROKEN:
                     break
+                self._log.went_idle()
                 self._idle()
                 continue
             t0 = time.monotonic()

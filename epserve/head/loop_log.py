@@ -3,7 +3,8 @@ finished request.
 
 The periodic line (every ``every_s`` of stepping) gives vLLM's figures, the prompt and
 generation throughput, the running and waiting requests, and KV cache usage, and then where
-the engine thread's time went: stepping, handing outputs over, and between steps. The
+the engine thread's time went: stepping, handing outputs over, and between steps (while it
+had work: the waits for a request when it had none are left out). The
 request line gives a finished request's reasons, its prompt tokens (cached among them), its
 generated tokens and the seconds since it was submitted. Invariants: it only reads the
 engine (from the engine thread), and a line costs the thread a few microseconds.
@@ -27,14 +28,19 @@ class LoopLog:
         self._reset(time.monotonic(), 0, 0)
 
     def _reset(self, now: float, prompt: int, gen: int) -> None:
-        self.since, self.last_end, self.n = now, None, 0
+        self.since, self.last_end, self.n, self.gaps = now, None, 0, 0
         self.step_s = self.deliver_s = self.outside_s = 0.0
         self.prompt0, self.gen0 = prompt, gen
+
+    def went_idle(self) -> None:
+        """The engine ran out of work: the wait for the next request is not time between
+        steps (a closed-loop client's round trip between two waves would read as overhead)."""
+        self.last_end = None
 
     def step(self, t0: float, t1: float, t2: float, engine: Engine) -> None:
         """One step that ran ``[t0, t1)`` and handed its outputs over in ``[t1, t2)``."""
         if self.last_end is not None:
-            self.outside_s += t0 - self.last_end
+            self.outside_s, self.gaps = self.outside_s + t0 - self.last_end, self.gaps + 1
         self.n, self.step_s, self.deliver_s, self.last_end = \
             self.n + 1, self.step_s + t1 - t0, self.deliver_s + t2 - t1, t2
         if t2 - self.since < self.every_s:
@@ -49,7 +55,7 @@ class LoopLog:
                  (st.generation_tokens - self.gen0) / took, len(sched.running),
                  len(sched.waiting), 100 * engine.model.kv_cache_usage(), self.n, took,
                  1e3 * self.step_s / self.n, 1e3 * self.deliver_s / self.n,
-                 1e3 * self.outside_s / max(self.n - 1, 1), hits)
+                 1e3 * self.outside_s / max(self.gaps, 1), hits)
         self._reset(t2, st.prompt_tokens, st.generation_tokens)
 
     def finished(self, req: Request) -> None:

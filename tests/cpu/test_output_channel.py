@@ -91,3 +91,27 @@ def test_the_loop_logs_throughput_and_every_finished_request(demo_model_dir, cap
         pattern = (rf"request r{i} finished \(length\): prompt {len(p)} tokens \(0 cached\), "
                    rf"4 generated in [\d.]+ s")
         assert sum(bool(re.fullmatch(pattern, m)) for m in done) == 1, (pattern, done)
+
+
+def test_the_wait_for_the_next_request_is_not_time_between_steps(demo_model_dir, caplog):
+    """Two waves of requests 1.2 s apart under one periodic line: the engine idled between
+    them, and that wait is left out of its "between steps" figure (5 gaps in the line: with
+    the wait in it read ~240 ms)."""
+    import logging
+    import re
+    import time
+
+    llm = LLM(model=str(demo_model_dir), dtype="float32", seed=0)
+    aengine = AsyncEngine(llm.engine, log_every_s=1.0)
+    params = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True)
+    try:
+        with caplog.at_level(logging.INFO, logger="epserve.head.async_engine"):
+            asyncio.run(_serve(aengine, _prompts(3), params, llm.tokenizer))
+            time.sleep(1.2)
+            asyncio.run(_serve(aengine, _prompts(3), params, llm.tokenizer))
+    finally:
+        aengine.shutdown()
+    lines = [r.getMessage() for r in caplog.records if r.getMessage().startswith("engine loop")]
+    assert len(lines) == 1, lines
+    between = float(re.search(r"([\d.]+) ms between steps", lines[0]).group(1))
+    assert between < 100, lines[0]
