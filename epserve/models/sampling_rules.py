@@ -82,6 +82,8 @@ def value_problem(temperature: float, top_p: float, top_k: int, min_p: float, se
 
 def token_ids_problem(ids: Sequence[int], vocab_size: int) -> str | None:
     """What is wrong with token ids that must name vocabulary entries, or None."""
+    if ids and set(map(type, ids)) == {int} and min(ids) >= 0 and max(ids) < vocab_size:
+        return None  # the common case, its loops in C (a prompt is checked on every arrival)
     for t in ids:
         if isinstance(t, bool) or not isinstance(t, int) or not 0 <= t < vocab_size:
             return f"{t!r} is not a token id in [0, {vocab_size})"
