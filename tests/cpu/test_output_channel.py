@@ -63,22 +63,33 @@ def test_one_message_per_step_whatever_the_requests_and_tokens(demo_model_dir):
         aengine.shutdown()
 
 
-def test_the_loop_logs_throughput_and_every_finished_request(demo_model_dir, caplog):
-    """The operator's view, as vLLM prints it: a periodic line with prompt and generation
-    throughput, running/waiting requests and KV usage, then where the engine thread's time
-    went; and one line per finished request."""
+def _loop_messages(demo_model_dir, caplog, log_every_s: float, pause_s: float | None = None):
+    """The head's log messages while it serves three prompts of 4 tokens (twice, ``pause_s``
+    apart, when given)."""
     import logging
-    import re
+    import time
 
     llm = LLM(model=str(demo_model_dir), dtype="float32", seed=0)
-    aengine = AsyncEngine(llm.engine, log_every_s=0.0)
+    aengine = AsyncEngine(llm.engine, log_every_s=log_every_s)
     params = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True)
     try:
         with caplog.at_level(logging.INFO, logger="epserve.head.async_engine"):
             asyncio.run(_serve(aengine, _prompts(3), params, llm.tokenizer))
+            if pause_s is not None:
+                time.sleep(pause_s)
+                asyncio.run(_serve(aengine, _prompts(3), params, llm.tokenizer))
     finally:
         aengine.shutdown()
-    msgs = [r.getMessage() for r in caplog.records]
+    return [r.getMessage() for r in caplog.records]
+
+
+def test_the_loop_logs_throughput_and_every_finished_request(demo_model_dir, caplog):
+    """The operator's view, as vLLM prints it: a periodic line with prompt and generation
+    throughput, running/waiting requests and KV usage, then where the engine thread's time
+    went; and one line per finished request."""
+    import re
+
+    msgs = _loop_messages(demo_model_dir, caplog, 0.0)
     loop = [m for m in msgs if m.startswith("engine loop")]
     assert loop, msgs
     assert re.fullmatch(r"engine loop: prompt throughput [\d.]+ tokens/s, generation throughput "
@@ -97,21 +108,10 @@ def test_the_wait_for_the_next_request_is_not_time_between_steps(demo_model_dir,
     """Two waves of requests 1.2 s apart under one periodic line: the engine idled between
     them, and that wait is left out of its "between steps" figure (5 gaps in the line: with
     the wait in it read ~240 ms)."""
-    import logging
     import re
-    import time
 
-    llm = LLM(model=str(demo_model_dir), dtype="float32", seed=0)
-    aengine = AsyncEngine(llm.engine, log_every_s=1.0)
-    params = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True)
-    try:
-        with caplog.at_level(logging.INFO, logger="epserve.head.async_engine"):
-            asyncio.run(_serve(aengine, _prompts(3), params, llm.tokenizer))
-            time.sleep(1.2)
-            asyncio.run(_serve(aengine, _prompts(3), params, llm.tokenizer))
-    finally:
-        aengine.shutdown()
-    lines = [r.getMessage() for r in caplog.records if r.getMessage().startswith("engine loop")]
+    msgs = _loop_messages(demo_model_dir, caplog, 1.0, pause_s=1.2)
+    lines = [m for m in msgs if m.startswith("engine loop")]
     assert len(lines) == 1, lines
     between = float(re.search(r"([\d.]+) ms between steps", lines[0]).group(1))
     assert between < 100, lines[0]
