@@ -78,14 +78,15 @@ def cuda_path(monkeypatch):
     monkeypatch.setattr(paged_runner, "AttentionMetadata", _graph_meta)
 
 
-@pytest.mark.parametrize("batch", [1, 2])
-def test_decode_on_the_kernels_matches_transformers(models, batch, cuda_path):
+def test_decode_on_the_kernels_matches_transformers(models, cuda_path):
+    """Two sequences decoded together (the batched kernels), then one of them alone (batch 1:
+    the GEMV and fused one-row paths), against transformers on every position."""
     hf, ours, cfg = models
-    seqs = dict(zip("ab", prompts(cfg.vocab_size, [7, 5][:batch], seed=batch)))
-    sched = Schedule(PagedRunner(ours, cfg, seed=batch), seqs)
+    seqs = dict(zip("ab", prompts(cfg.vocab_size, [7, 5], seed=2)))
+    sched = Schedule(PagedRunner(ours, cfg, seed=2), seqs)
     sched.run(list(seqs.items()))  # the prompts, one prefill step
-    for _ in range(3):
-        sched.run([sched.decode(name) for name in seqs])
+    for names in ("ab", "ab", "a", "a"):
+        sched.run([sched.decode(name) for name in names])
     sched.check(hf, ATOL)
 
 
