@@ -5,6 +5,9 @@
 #
 #   bash bench/gpu_session.sh prep      # here, once per checkout: the wheels the device lacks
 #   # then, on the device (run with carry [".whl"]), one stage per call:
+#   bash bench/gpu_session.sh bars      # the open bars in one call (~8 min on a fresh H200,
+#                                       # session 18's timings), each command bounded: MTP cost,
+#                                       # hybrid batch-1 decode, qwen3 decode and short workload
 #   bash bench/gpu_session.sh tests     # tests/gpu: this session's (hybrids, spec, masks)
 #   bash bench/gpu_session.sh tests-rest # tests/gpu: the others (regressions)
 #   bash bench/gpu_session.sh qwen3     # no regression: decode_latency + throughput short
@@ -26,7 +29,7 @@
 # Each stage tees its log to $OUT (it comes back even when a stage runs out of time); record
 # the figures in bench/RESULTS.md with the date and the exact command.
 set -o pipefail
-stage=${1:?stage: prep, tests, tests-rest, qwen3, host, hybrid, hybrid-short, mtp, serve, serve-haproxy, serve-wide or serve-profile}
+stage=${1:?stage: prep, bars, tests, tests-rest, qwen3, host, hybrid, hybrid-short, mtp, serve, serve-haproxy, serve-wide or serve-profile}
 log=${OUT:-/tmp}/$stage.log
 
 if [ "$stage" = prep ]; then
@@ -72,6 +75,13 @@ L=40; [ "$(nvidia-smi --query-gpu=memory.total --format=csv,noheader,nounits | h
 # machine compiles every kernel: give it the whole 600 s.
 NEW="hybrid or gated_delta or cuda_graphs or warmup or spec"
 case "$stage" in
+  bars)  # priority order; a command that runs out of time leaves the next ones theirs
+    { timeout 170 python bench/mtp_cost.py --layers $L --k 1 2 --steps 16
+      timeout 170 python bench/decode_latency.py --model-shape qwen3.5-35b-a3b --layers $L \
+        --batch 1 --steps 32 --repeats 2 --with-transformers
+      timeout 60 python bench/decode_latency.py --batch 1 --steps 32 --repeats 2
+      timeout 150 python bench/throughput.py --workload short --skip-transformers --repeats 3
+    } 2>&1 | grep -v '^\[transformers\]' | tee "$log" ;;
   tests)
     python -m pytest -q tests/gpu -k "$NEW" 2>&1 | tee "$log" ;;
   tests-rest)
