@@ -243,7 +243,7 @@ def start_head(args: EngineArgs, name: str = HEAD_NAME, timeout_s: float = 600.0
     STRICT_PACK on one node by default, or SPREAD) holds the head in bundle 0 and EP ranks
     1..N-1 in the others."""
     import ray
-    from ray.util.placement_group import placement_group
+    from ray.util.placement_group import placement_group, remove_placement_group
     from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
     from epserve.cluster.engine_args import check_model_path
@@ -282,7 +282,14 @@ def start_head(args: EngineArgs, name: str = HEAD_NAME, timeout_s: float = 600.0
         if device_type == "cuda":
             opts["num_gpus"] = 1
     head = ray.remote(HeadActor).options(**opts).remote(args.to_dict(), pg)
-    ray.get(head.ready.remote(), timeout=timeout_s)
+    try:
+        ray.get(head.ready.remote(), timeout=timeout_s)
+    except ray.exceptions.RayActorError as exc:  # it died loading (e.g. a corrupt checkpoint)
+        if pg is not None:
+            remove_placement_group(pg)
+        said = [line for line in str(exc).splitlines() if line.strip()]  # its traceback's end
+        raise ValueError(f"the engine could not start on {args.model}: "
+                         f"{said[-1] if said else type(exc).__name__}") from None
     return head
 
 

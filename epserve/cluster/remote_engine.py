@@ -44,10 +44,7 @@ class RemoteEngine:
         from epserve.cluster.bringup import start_head
 
         self.name = f"epserve-llm-{uuid.uuid4().hex[:8]}"
-        try:
-            self.head = start_head(args, name=self.name, detached=False)
-        except ray.exceptions.RayActorError as exc:
-            raise _as_value_error(exc) from None
+        self.head = start_head(args, name=self.name, detached=False)  # ValueError: why not
         self.info = ray.get(self.head.ready.remote())
         self._ids = 0
         self._caps = frozenset(self._call(self.head.capabilities.remote()))
@@ -137,8 +134,3 @@ class RemoteEngine:
             stop_head(self.name)
             self.head = None
 
-
-def _as_value_error(exc: BaseException) -> ValueError:
-    """A head that died while loading (e.g. experts not divisible by ranks) -> its reason."""
-    cause = getattr(exc, "cause", None) or getattr(exc, "error_msg", None) or exc
-    return ValueError(str(cause))

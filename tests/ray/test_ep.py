@@ -257,3 +257,24 @@ def test_an_idle_ep_group_stays_up_past_its_collective_timeout(ray_cluster, qwen
         assert ep.backend.worker_failures() == [[]]
     finally:
         ep.close()
+
+
+def test_a_corrupt_checkpoint_is_refused_with_the_loaders_error(ray_cluster, qwen3_ckpt,
+                                                                tmp_path):
+    """Weights that do not load (a truncated safetensors file): LLM(ep_size=2) raises one
+    ValueError naming the checkpoint and the loader's error, and gives back the CPUs it
+    reserved for its ranks (its placement group)."""
+    import shutil
+
+    def reserved() -> set[str]:
+        return {pg for pg, v in ray_cluster.util.placement_group_table().items()
+                if v["state"] != "REMOVED"}
+
+    bad = shutil.copytree(qwen3_ckpt, tmp_path / "bad")
+    for f in bad.glob("*.safetensors"):
+        f.write_bytes(b"\0" * 64)
+    before = reserved()
+    with pytest.raises(ValueError, match=rf"the engine could not start on {bad}: .*"
+                                         r"SafetensorError: .*header"):
+        LLM(model=str(bad), ep_size=2, dtype="float32")
+    assert reserved() == before
