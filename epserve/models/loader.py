@@ -107,13 +107,17 @@ def safetensors_files(path: Path) -> list[Path]:
 
 
 def iter_safetensors(files: list[Path]) -> Iterator[tuple[str, torch.Tensor]]:
-    """Stream ``(name, tensor)`` pairs, one tensor in memory at a time, on the CPU."""
-    from safetensors import safe_open
+    """Stream ``(name, tensor)`` pairs, one tensor in memory at a time, on the CPU. A file that
+    does not read (cut short, not safetensors) is a ``CheckpointError`` naming it."""
+    from safetensors import SafetensorError, safe_open
 
     for file in files:
-        with safe_open(str(file), framework="pt", device="cpu") as f:
-            for name in f.keys():
-                yield name, f.get_tensor(name)
+        try:
+            with safe_open(str(file), framework="pt", device="cpu") as f:
+                for name in f.keys():
+                    yield name, f.get_tensor(name)
+        except SafetensorError as exc:
+            raise CheckpointError(f"{file}: not a readable safetensors file ({exc})") from None
 
 
 # --------------------------------------------------------------------------- dummy weights

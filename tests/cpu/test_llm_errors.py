@@ -187,6 +187,14 @@ def test_no_weights(ckpt_copy):
     LLM(model=str(ckpt_copy), load_format="dummy")  # random weights need no files
 
 
+def test_unreadable_weights(ckpt_copy):
+    """A weights file cut short (an interrupted download) names the file."""
+    f = ckpt_copy / "model.safetensors"
+    f.write_bytes(f.read_bytes()[:100])
+    with pytest.raises(CheckpointError, match=rf"{f}: not a readable safetensors file \("):
+        LLM(model=str(ckpt_copy))
+
+
 def test_tensor_removed(ckpt_copy):
     name = "model.layers.1.self_attn.q_proj.weight"
     _rewrite_weights(ckpt_copy, lambda t: t.pop(name))
