@@ -23,11 +23,12 @@ arguments cross as plain dicts.
 
 from __future__ import annotations
 
+import functools
 import ipaddress
 import logging
 import os
 import secrets
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Callable
 
 if TYPE_CHECKING:  # imported where used: every worker process imports this module (its hook)
     from epserve.cluster.engine_args import EngineArgs
@@ -237,13 +238,21 @@ def placement_device(device: str) -> str:
 
 def start_head(args: EngineArgs, name: str = HEAD_NAME, timeout_s: float = 600.0,
                detached: bool = True) -> Any:
-    """The named HeadActor for ``args`` (created when absent) once its model is loaded.
+    """The named HeadActor for ``args`` (created when absent) once its model is loaded
+    (``launch_head``, then its wait)."""
+    return launch_head(args, name, timeout_s, detached)()
+
+
+def launch_head(args: EngineArgs, name: str = HEAD_NAME, timeout_s: float = 600.0,
+                detached: bool = True) -> Callable[[], Any]:
+    """The named HeadActor for ``args``, created (when absent) now; the returned call waits
+    for its model to load and returns it, or raises ``ValueError`` with why it died loading.
 
     With ``ep_size`` N > 1 a placement group of N bundles (``args.placement_strategy``:
     STRICT_PACK on one node by default, or SPREAD) holds the head in bundle 0 and EP ranks
     1..N-1 in the others."""
     import ray
-    from ray.util.placement_group import placement_group, remove_placement_group
+    from ray.util.placement_group import placement_group
     from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
     from epserve.cluster.engine_args import check_model_path
@@ -282,13 +291,20 @@ def start_head(args: EngineArgs, name: str = HEAD_NAME, timeout_s: float = 600.0
         if device_type == "cuda":
             opts["num_gpus"] = 1
     head = ray.remote(HeadActor).options(**opts).remote(args.to_dict(), pg)
+    return functools.partial(_loaded, head, pg, args.model, timeout_s)
+
+
+def _loaded(head: Any, pg: Any, model: str, timeout_s: float) -> Any:
+    import ray
+    from ray.util.placement_group import remove_placement_group
+
     try:
         ray.get(head.ready.remote(), timeout=timeout_s)
     except ray.exceptions.RayActorError as exc:  # it died loading (e.g. a corrupt checkpoint)
         if pg is not None:
             remove_placement_group(pg)
         said = [line for line in str(exc).splitlines() if line.strip()]  # its traceback's end
-        raise ValueError(f"the engine could not start on {args.model}: "
+        raise ValueError(f"the engine could not start on {model}: "
                          f"{said[-1] if said else type(exc).__name__}") from None
     return head
 

@@ -1,12 +1,12 @@
 """``epserve serve``: start (or join) Ray, deploy the OpenAI app, serve until Ctrl-C/SIGTERM.
 
-Invariants: the engine is started (and its model loaded) before the HTTP app is deployed,
-so a bad model path is one clear error, not a replica restart loop (Serve's controller and
-proxy start meanwhile: the start-up takes the longer of the two, not their sum); on the way out the app
-and the head are removed, and a Ray cluster this command started is shut down — one it
-joined (``RAY_ADDRESS``) keeps its other applications. The ingress (``--ingress``) is Serve's
-Python proxy with ``proxy_edge`` (the default), or HAProxy (``haproxy_ingress``: refused
-before Ray starts where it cannot run; no HAProxy of it outlives the command).
+Invariants: the engine is started (and its model loaded) before the HTTP app is deployed, so a
+bad model path is one clear error, not a replica restart loop (Serve's controller and proxy
+start while it loads); on the way out the app and the head are removed, and a Ray cluster this
+command started is shut down — one it joined (``RAY_ADDRESS``) keeps its other applications.
+The ingress (``--ingress``) is Serve's Python proxy with ``proxy_edge`` (the default), or
+HAProxy (``haproxy_ingress``: refused before Ray starts where it cannot run; no HAProxy of it
+outlives the command).
 """
 
 from __future__ import annotations
@@ -95,7 +95,7 @@ def serve_main(args: argparse.Namespace) -> int:
     import ray
     from ray import serve
 
-    from epserve.cluster.bringup import init_ray, start_head, stop_head
+    from epserve.cluster.bringup import init_ray, launch_head, stop_head
     from epserve.cluster.engine_args import check_model_path, check_reasoning_parser
     from epserve.deploy.app import build_app
     from epserve.deploy.proxy_edge import controller_options, serve_start
@@ -115,10 +115,10 @@ def serve_main(args: argparse.Namespace) -> int:
         init_ray(engine_logs=True)  # the engine's lines (requests finished, periodic) here
         try:
             _say(f"loading {cfg.engine.model or 'the built-in demo model (random weights)'} ...")
-            head = _in_background(start_head, cfg.engine_args(), cfg.head_name)
+            loaded = launch_head(cfg.engine_args(), cfg.head_name)  # it loads meanwhile
             # the proxy's own errors as OpenAI JSON, and a deadline on request heads
             serve_start({"host": args.host, "port": args.port}, header_timeout_s)
-            head()  # the engine's load error, if any, is this command's
+            loaded()  # the engine's load error, if any, is this command's
             try:
                 serve.run(build_app(cfg), name=APP_NAME, route_prefix="/", blocking=False)
             except RuntimeError as exc:  # Serve's DeploymentFailed etc.: one line for the CLI
@@ -136,28 +136,6 @@ def serve_main(args: argparse.Namespace) -> int:
             if not joined:
                 ray.shutdown()
     return 0
-
-
-def _in_background(fn: Any, *args: Any) -> Any:
-    """``fn(*args)`` on a daemon thread (Ctrl-C meanwhile does not wait for it); the returned
-    callable waits for it and returns its result or raises its exception."""
-    box: dict[str, Any] = {}
-
-    def run() -> None:
-        try:
-            box["value"] = fn(*args)
-        except BaseException as exc:  # handed to the waiting caller
-            box["error"] = exc
-
-    t = threading.Thread(target=run, name="epserve-start-head", daemon=True)
-    t.start()
-
-    def wait() -> Any:
-        t.join()
-        if "error" in box:
-            raise box["error"]
-        return box["value"]
-    return wait
 
 
 def _ingress(kind: str, header_timeout_s: float, body_timeout_s: float, joined: bool) -> Any:
