@@ -8,6 +8,7 @@
 #   bash bench/gpu_session.sh bars      # the open bars in one call (~8 min on a fresh H200,
 #                                       # session 18's timings), each command bounded: hybrid
 #                                       # batch-1 decode, MTP cost, qwen3 decode, short workload
+#   bash bench/gpu_session.sh pdl       # decode with programmatic dependent launch off / on
 #   bash bench/gpu_session.sh tests     # tests/gpu: this session's (hybrids, spec, masks)
 #   bash bench/gpu_session.sh tests-rest # tests/gpu: the others (regressions)
 #   bash bench/gpu_session.sh qwen3     # no regression: decode_latency + throughput short
@@ -29,7 +30,7 @@
 # Each stage tees its log to $OUT (it comes back even when a stage runs out of time); record
 # the figures in bench/RESULTS.md with the date and the exact command.
 set -o pipefail
-stage=${1:?stage: prep, bars, tests, tests-rest, qwen3, host, hybrid, hybrid-short, mtp, serve, serve-haproxy, serve-wide or serve-profile}
+stage=${1:?stage: prep, bars, pdl, tests, tests-rest, qwen3, host, hybrid, hybrid-short, mtp, serve, serve-haproxy, serve-wide or serve-profile}
 log=${OUT:-/tmp}/$stage.log
 
 if [ "$stage" = prep ]; then
@@ -83,6 +84,16 @@ case "$stage" in
       timeout 220 python bench/mtp_cost.py --layers $L --k 1 2 --steps 16
       timeout 50 python bench/decode_latency.py --batch 1 --steps 32 --repeats 2
       timeout 150 python bench/throughput.py --workload short --skip-transformers --repeats 3
+    } 2>&1 | grep -v '^\[transformers\]' | tee "$log" ;;
+  pdl)  # programmatic dependent launch off against on (EPSERVE_PDL), hybrid then qwen3, then
+    # where the hybrid step's device time goes beside the graph
+    { for p in 0 1; do echo "== EPSERVE_PDL=$p"
+        EPSERVE_PDL=$p timeout 170 python bench/decode_latency.py --model-shape qwen3.5-35b-a3b \
+          --layers $L --batch 1 4 --steps 32 --repeats 2 | tail -4; done
+      for p in 0 1; do echo "== EPSERVE_PDL=$p"
+        EPSERVE_PDL=$p timeout 80 python bench/decode_latency.py --batch 1 --steps 32 \
+          --repeats 2 | tail -3; done
+      timeout 120 python bench/step_timeline.py --layers 8 --steps 12 | tail -30
     } 2>&1 | grep -v '^\[transformers\]' | tee "$log" ;;
   tests)
     python -m pytest -q tests/gpu -k "$NEW" 2>&1 | tee "$log" ;;

@@ -33,6 +33,7 @@ import triton.language as tl
 
 from epserve.kernels.dispatch import (DTYPES, MAX_CONV_WIDTH, check_devices, check_state_step,
                                       interpreted)
+from epserve.kernels.triton.pdl import pdl
 
 
 @triton.jit
@@ -72,7 +73,10 @@ def _store_out(acc, y_row, offs_c, mask_c, SILU: tl.constexpr):
 @triton.jit
 def _conv_update_kernel(x_ptr, w_ptr, pool_ptr, slot_ptr, fresh_ptr, y_ptr,
                         stride_xs, stride_wc, stride_pn, stride_pc, stride_pk, stride_ys, C,
-                        K: tl.constexpr, BC: tl.constexpr, SILU: tl.constexpr):
+                        K: tl.constexpr, BC: tl.constexpr, SILU: tl.constexpr, PDL: tl.constexpr):
+    if PDL:  # before any load or store (pdl.py)
+        tl.extra.cuda.gdc_wait()
+        tl.extra.cuda.gdc_launch_dependents()
     s, offs_c, mask_c, slot, live_c = _conv_program(slot_ptr, fresh_ptr, C, BC)
     x_raw = tl.load(x_ptr + s * stride_xs + offs_c, mask=mask_c, other=0.0)
     row = _slot_row(pool_ptr, slot, offs_c, stride_pn, stride_pc)
@@ -102,7 +106,10 @@ def _window(x_ptr, stride_xt, start, row, stride_pk, i, offs_c, C, live_c, K: tl
 @triton.jit(do_not_specialize=["stride_xt"])
 def _conv_varlen_kernel(x_ptr, w_ptr, pool_ptr, slot_ptr, fresh_ptr, cu_ptr, hold_ptr, y_ptr,
                         stride_xt, stride_wc, stride_pn, stride_pc, stride_pk, stride_yt, C,
-                        K: tl.constexpr, BC: tl.constexpr, SILU: tl.constexpr):
+                        K: tl.constexpr, BC: tl.constexpr, SILU: tl.constexpr, PDL: tl.constexpr):
+    if PDL:  # before any load or store (pdl.py)
+        tl.extra.cuda.gdc_wait()
+        tl.extra.cuda.gdc_launch_dependents()
     s, offs_c, mask_c, slot, live_c = _conv_program(slot_ptr, fresh_ptr, C, BC)
     row = _slot_row(pool_ptr, slot, offs_c, stride_pn, stride_pc)
     start = tl.load(cu_ptr + s).to(tl.int64)
@@ -174,7 +181,7 @@ def causal_conv_update_triton(x: torch.Tensor, weight: torch.Tensor, state_pool:
         x, weight, state_pool, slots.contiguous(), fresh.contiguous().view(torch.uint8), y,
         x.stride(0), weight.stride(0), state_pool.stride(0), state_pool.stride(1),
         state_pool.stride(2), y.stride(0), c,
-        K=kw, BC=bc, SILU=silu, num_warps=warps)
+        K=kw, BC=bc, SILU=silu, num_warps=warps, **pdl(_conv_update_kernel))
     return y
 
 
@@ -209,5 +216,5 @@ def causal_conv_varlen_triton(x: torch.Tensor, weight: torch.Tensor, state_pool:
         cu.contiguous(), hold_mask.contiguous().view(torch.uint8), y,
         x.stride(0), weight.stride(0), state_pool.stride(0), state_pool.stride(1),
         state_pool.stride(2), y.stride(0), c,
-        K=kw, BC=bc, SILU=silu, num_warps=warps)
+        K=kw, BC=bc, SILU=silu, num_warps=warps, **pdl(_conv_varlen_kernel))
     return y

@@ -32,13 +32,17 @@ import triton.language as tl
 from epserve.kernels.dispatch import (DTYPES, MAX_CONV_WIDTH, check_devices, check_state_step,
                                       interpreted)
 from epserve.kernels.triton.linear import default_gemv_tiles, gemv_block
+from epserve.kernels.triton.pdl import pdl
 
 
 @triton.jit
 def _in_proj_conv_kernel(x_ptr, w_ptr, cw_ptr, pool_ptr, slot_ptr, fresh_ptr, out_ptr,
                          N, C, stride_wn, stride_cw, stride_pn, stride_pc, stride_pk,
                          K: tl.constexpr, KW: tl.constexpr, BLOCK_N: tl.constexpr,
-                         BLOCK_K: tl.constexpr):
+                         BLOCK_K: tl.constexpr, PDL: tl.constexpr):
+    if PDL:  # before any load or store (pdl.py)
+        tl.extra.cuda.gdc_wait()
+        tl.extra.cuda.gdc_launch_dependents()
     rows = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     r_ok = rows < N
     y = gemv_block(x_ptr, w_ptr, rows, N, stride_wn, K, BLOCK_N,  # the projection, as
@@ -70,7 +74,11 @@ def _in_proj_conv_kernel(x_ptr, w_ptr, cw_ptr, pool_ptr, slot_ptr, fresh_ptr, ou
 @triton.jit
 def _gated_norm_out_kernel(o_ptr, z_ptr, nw_ptr, w_ptr, out_ptr, N, stride_oh, stride_zh,
                            stride_wn, eps, HV: tl.constexpr, DV: tl.constexpr,
-                           DV_P: tl.constexpr, HB: tl.constexpr, BLOCK_N: tl.constexpr):
+                           DV_P: tl.constexpr, HB: tl.constexpr, BLOCK_N: tl.constexpr,
+                           PDL: tl.constexpr):
+    if PDL:  # before any load or store (pdl.py)
+        tl.extra.cuda.gdc_wait()
+        tl.extra.cuda.gdc_launch_dependents()
     dt = out_ptr.dtype.element_ty
     rows = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     r_ok = rows < N
@@ -134,7 +142,8 @@ def in_proj_conv_triton(x: torch.Tensor, w_in: torch.Tensor, conv_weight: torch.
     _in_proj_conv_kernel[(triton.cdiv(n, bn),)](
         x, w_in, conv_weight, state_pool, slots, fresh.view(torch.uint8), out, n, c,
         w_in.stride(0), conv_weight.stride(0), state_pool.stride(0), state_pool.stride(1),
-        state_pool.stride(2), K=h, KW=kw, BLOCK_N=bn, BLOCK_K=bk, num_warps=nw, num_stages=ns)
+        state_pool.stride(2), K=h, KW=kw, BLOCK_N=bn, BLOCK_K=bk, num_warps=nw, num_stages=ns,
+        **pdl(_in_proj_conv_kernel))
     return out
 
 
@@ -168,5 +177,5 @@ def gated_norm_out_proj_triton(o: torch.Tensor, z: torch.Tensor, norm_weight: to
     _gated_norm_out_kernel[(triton.cdiv(h, bn),)](
         o, z, norm_weight.contiguous(), w_out, out, h, o.stride(1), z.stride(1),
         w_out.stride(0), float(eps), HV=hv, DV=dv, DV_P=dv_p, HB=hb, BLOCK_N=bn,
-        num_warps=nw, num_stages=ns)
+        num_warps=nw, num_stages=ns, **pdl(_gated_norm_out_kernel))
     return out

@@ -26,6 +26,7 @@ import triton.language as tl
 
 from epserve.kernels.dispatch import DTYPES
 from epserve.kernels.triton.moe_align import moe_align, moe_align_torch
+from epserve.kernels.triton.pdl import pdl
 
 #: Up to this many (token, k) pairs the layout comes from the one-program Triton ``moe_align``
 #: (one launch: decode steps, which CUDA graphs capture, stay far below it). Above it (prefill
@@ -48,7 +49,7 @@ def _moe_gemm_kernel(a_ptr, b_ptr, c_ptr, w_ptr, sorted_ids_ptr, block_expert_pt
                      BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                      A_BY_PAIR: tl.constexpr, C_BY_PAIR: tl.constexpr, FUSE_SILU: tl.constexpr,
                      MUL_WEIGHT: tl.constexpr, PRECISION: tl.constexpr,
-                     PAIR_BLOCKS: tl.constexpr):
+                     PAIR_BLOCKS: tl.constexpr, PDL: tl.constexpr):
     """One [BLOCK_M, BLOCK_N] tile of ``A[rows] @ B[e]^T`` for a block of one expert's pairs.
 
     Rows of A: ``pair // top_k`` (A_BY_PAIR, i.e. x) or the sorted position (the intermediate).
@@ -60,6 +61,9 @@ def _moe_gemm_kernel(a_ptr, b_ptr, c_ptr, w_ptr, sorted_ids_ptr, block_expert_pt
     N and KD (the layer's H / I) are compile-time constants: one compile per layer shape, and
     the interpreter (numpy 2.x) cannot loop over a runtime bound.
     """
+    if PDL:  # before any load or store (pdl.py)
+        tl.extra.cuda.gdc_wait()
+        tl.extra.cuda.gdc_launch_dependents()
     pid_m = tl.program_id(0)
     pid_n = tl.program_id(1)
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
@@ -128,8 +132,11 @@ def combine_pairs_block(y_ptr, ids_ptr, t, cols, h, num_local, expert_offset,
 
 @triton.jit
 def _combine_kernel(y_ptr, ids_ptr, out_ptr, h, num_local, expert_offset,
-                    TOP_K: tl.constexpr, BLOCK_H: tl.constexpr):
+                    TOP_K: tl.constexpr, BLOCK_H: tl.constexpr, PDL: tl.constexpr):
     """out[t, cols] = ``combine_pairs_block`` of token t, stored in out's dtype."""
+    if PDL:  # before any load or store (pdl.py)
+        tl.extra.cuda.gdc_wait()
+        tl.extra.cuda.gdc_launch_dependents()
     t = tl.program_id(0).to(tl.int64)
     cols = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
     acc = combine_pairs_block(y_ptr, ids_ptr, t, cols, h, num_local, expert_offset, TOP_K)
@@ -222,7 +229,7 @@ def _launch(a, b, c, w, sorted_ids, block_expert, n, kd, num_slots, top_k, up_of
         a.stride(0), a.stride(1), b.stride(0), b.stride(1), b.stride(2), c.stride(0), c.stride(1),
         N=n, KD=kd, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, A_BY_PAIR=a_by_pair,
         C_BY_PAIR=c_by_pair, FUSE_SILU=fuse_silu, MUL_WEIGHT=mul_weight, PRECISION=precision,
-        PAIR_BLOCKS=pair_blocks, num_warps=warps, num_stages=stages)
+        PAIR_BLOCKS=pair_blocks, num_warps=warps, num_stages=stages, **pdl(_moe_gemm_kernel))
 
 
 def fused_moe_triton(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_ids: torch.Tensor,
@@ -256,7 +263,8 @@ def combine_pairs_triton(y: torch.Tensor, ids: torch.Tensor, expert_offset: int,
     if out.numel():
         block_h = min(1024, triton.next_power_of_2(h))
         _combine_kernel[(t, triton.cdiv(h, block_h))](y, ids, out, h, num_local, expert_offset,
-                                                       TOP_K=top_k, BLOCK_H=block_h)
+                                                       TOP_K=top_k, BLOCK_H=block_h,
+                                                       **pdl(_combine_kernel))
     return out
 
 

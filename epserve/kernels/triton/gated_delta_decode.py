@@ -37,6 +37,7 @@ import triton.language as tl
 
 from epserve.kernels.dispatch import (DTYPES, MAX_DELTA_DK, check_devices, check_state_step,
                                       interpreted)
+from epserve.kernels.triton.pdl import pdl
 
 
 @triton.jit
@@ -86,11 +87,14 @@ def _gated_delta_decode_kernel(q_ptr, k_ptr, v_ptr, g_ptr, beta_ptr, pool_ptr, s
                                stride_pn, stride_ph, stride_pk, stride_os, stride_oh,
                                group, DK, DV, scale, eps,
                                DK_P: tl.constexpr, BV: tl.constexpr, GATES: tl.constexpr,
-                               VARLEN: tl.constexpr):
+                               VARLEN: tl.constexpr, PDL: tl.constexpr):
     """GATES: ``g_ptr`` / ``beta_ptr`` hold the projections a / b, and g, beta are computed
     here from them and ``A_log`` / ``dt_bias`` [Hv]. VARLEN: sequence s owns rows
     ``[cu[s], cu[s + 1])``, run in order from its state, which is stored back unless
     ``hold[s]``; else row s is sequence s's one token."""
+    if PDL:  # before any load or store (pdl.py)
+        tl.extra.cuda.gdc_wait()
+        tl.extra.cuda.gdc_launch_dependents()
     s = tl.program_id(0).to(tl.int64)
     h = tl.program_id(1).to(tl.int64)
     offs_k = tl.arange(0, DK_P)
@@ -217,5 +221,5 @@ def _launch(name, q, k, v, g, beta, gates, state_pool, slots, fresh, eps,
         state_pool.stride(0), state_pool.stride(1), state_pool.stride(2),
         o.stride(0), o.stride(1), hv // hk, dk, dv, dk ** -0.5, eps,
         DK_P=dk_p, BV=bv, GATES=gates is not None, VARLEN=varlen is not None,
-        num_warps=4 if dk_p * bv >= 2048 else 2)
+        num_warps=4 if dk_p * bv >= 2048 else 2, **pdl(_gated_delta_decode_kernel))
     return o

@@ -19,6 +19,7 @@ import triton
 import triton.language as tl
 
 from epserve.kernels.dispatch import check_devices, check_kv_write_inputs, interpreted
+from epserve.kernels.triton.pdl import pdl
 
 
 @triton.jit
@@ -26,7 +27,10 @@ def _write_kv_kernel(k_ptr, v_ptr, kc_ptr, vc_ptr, slot_ptr,
                      stride_kt, stride_kh, stride_vt, stride_vh,
                      stride_kcb, stride_kco, stride_kch, stride_vcb, stride_vco, stride_vch,
                      block_size, num_heads, D,
-                     BLOCK_H: tl.constexpr, D_P: tl.constexpr):
+                     BLOCK_H: tl.constexpr, D_P: tl.constexpr, PDL: tl.constexpr):
+    if PDL:  # before any load or store (pdl.py)
+        tl.extra.cuda.gdc_wait()
+        tl.extra.cuda.gdc_launch_dependents()
     t = tl.program_id(0).to(tl.int64)
     heads = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
     offs_d = tl.arange(0, D_P)
@@ -75,4 +79,5 @@ def write_kv_triton(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
         k_cache.shape[1], hkv, d,
-        BLOCK_H=block_h, D_P=d_p, num_warps=4 if block_h * d_p >= 1024 else 2)
+        BLOCK_H=block_h, D_P=d_p, num_warps=4 if block_h * d_p >= 1024 else 2,
+        **pdl(_write_kv_kernel))

@@ -18,6 +18,7 @@ import triton
 import triton.language as tl
 
 from epserve.kernels.dispatch import DTYPES, check_devices, interpreted
+from epserve.kernels.triton.pdl import pdl
 
 
 @triton.jit
@@ -39,7 +40,10 @@ def gemv_block(x_ptr, w_ptr, rows, N, stride_wn,
 
 @triton.jit
 def _gemv_kernel(x_ptr, w_ptr, out_ptr, N, stride_wn,
-                 K: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+                 K: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PDL: tl.constexpr):
+    if PDL:  # before any load or store (pdl.py)
+        tl.extra.cuda.gdc_wait()
+        tl.extra.cuda.gdc_launch_dependents()
     rows = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     out = gemv_block(x_ptr, w_ptr, rows, N, stride_wn, K, BLOCK_N, BLOCK_K)
     tl.store(out_ptr + rows, out.to(out_ptr.dtype.element_ty), mask=rows < N)
@@ -88,5 +92,6 @@ def linear_gemv_triton(x: torch.Tensor, w: torch.Tensor, *, block_n: int | None 
     if k == 0:
         return out.zero_()
     _gemv_kernel[(triton.cdiv(n, bn),)](x, w, out, n, w.stride(0), K=k, BLOCK_N=bn, BLOCK_K=bk,
-                                        num_warps=num_warps or nw, num_stages=num_stages or ns)
+                                        num_warps=num_warps or nw, num_stages=num_stages or ns,
+                                        **pdl(_gemv_kernel))
     return out

@@ -21,6 +21,8 @@ import torch
 import triton
 import triton.language as tl
 
+from epserve.kernels.triton.pdl import pdl
+
 
 def moe_align_ref(topk_ids: torch.Tensor, num_local_experts: int, expert_offset: int,
                   block_m: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -63,9 +65,13 @@ def _expert_hits(ids_ptr, offs, n, expert_offset, num_local, experts):
 
 @triton.jit(do_not_specialize=["n", "num_blocks"])  # vary with T: one compile
 def _moe_align_kernel(ids_ptr, sorted_ptr, block_expert_ptr, n, num_local, expert_offset,
-                      num_blocks, BLOCK_M: tl.constexpr, E_P: tl.constexpr, CHUNK: tl.constexpr):
+                      num_blocks, BLOCK_M: tl.constexpr, E_P: tl.constexpr, CHUNK: tl.constexpr,
+                      PDL: tl.constexpr):
     """One program: count per expert, place blocks, fill sentinels, scatter pairs in order.
     Loops are while-loops over runtime bounds (the interpreter cannot ``range`` over them)."""
+    if PDL:  # before any load or store (pdl.py)
+        tl.extra.cuda.gdc_wait()
+        tl.extra.cuda.gdc_launch_dependents()
     experts = tl.arange(0, E_P)
     lane = tl.arange(0, CHUNK)
     counts = tl.zeros([E_P], tl.int32)
@@ -165,5 +171,6 @@ def moe_align(topk_ids: torch.Tensor, num_local_experts: int, expert_offset: int
     e_p = triton.next_power_of_2(num_local_experts)
     chunk = max(16, min(256, 8192 // e_p))
     _moe_align_kernel[(1,)](ids, sorted_ids, block_expert, n, num_local_experts, expert_offset,
-                            nb, BLOCK_M=block_m, E_P=e_p, CHUNK=chunk, num_warps=8)
+                            nb, BLOCK_M=block_m, E_P=e_p, CHUNK=chunk, num_warps=8,
+                            **pdl(_moe_align_kernel))
     return sorted_ids, block_expert

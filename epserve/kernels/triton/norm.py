@@ -27,6 +27,7 @@ import triton
 import triton.language as tl
 
 from epserve.kernels.dispatch import DTYPES, MAX_NORM_H, check_devices, interpreted
+from epserve.kernels.triton.pdl import pdl
 
 MAX_H = MAX_NORM_H
 
@@ -34,9 +35,13 @@ MAX_H = MAX_NORM_H
 @triton.jit
 def _rms_norm_kernel(x_ptr, r_ptr, w_ptr, out_ptr, res_out_ptr,
                      stride_x, stride_r, stride_out, stride_res_out, H, eps,
-                     BLOCK: tl.constexpr, HAS_RES: tl.constexpr, ZERO_CENTRED: tl.constexpr):
+                     BLOCK: tl.constexpr, HAS_RES: tl.constexpr, ZERO_CENTRED: tl.constexpr,
+                     PDL: tl.constexpr):
     """Row ``pid``: optionally ``s = x + r`` (stored, x.dtype), then ``w * rms_normalise(s)``
     (``(1 + w) * ...`` in float32 when ZERO_CENTRED)."""
+    if PDL:  # before any load or store (pdl.py)
+        tl.extra.cuda.gdc_wait()
+        tl.extra.cuda.gdc_launch_dependents()
     row = tl.program_id(0).to(tl.int64)
     offs = tl.arange(0, BLOCK)
     mask = offs < H
@@ -59,8 +64,12 @@ def _rms_norm_kernel(x_ptr, r_ptr, w_ptr, out_ptr, res_out_ptr,
 
 @triton.jit
 def _gated_rms_norm_kernel(x_ptr, z_ptr, w_ptr, out_ptr, stride_xa, stride_xb, stride_za,
-                           stride_zb, stride_oa, stride_ob, D, eps, BLOCK: tl.constexpr):
+                           stride_zb, stride_oa, stride_ob, D, eps, BLOCK: tl.constexpr,
+                           PDL: tl.constexpr):
     """Row (a, b) of [A, B, D]: ``rms_norm_ref(x) * silu(z)``, the product in float32."""
+    if PDL:  # before any load or store (pdl.py)
+        tl.extra.cuda.gdc_wait()
+        tl.extra.cuda.gdc_launch_dependents()
     a = tl.program_id(0).to(tl.int64)
     b = tl.program_id(1).to(tl.int64)
     offs = tl.arange(0, BLOCK)
@@ -119,7 +128,8 @@ def _launch(x2, r2, weight, out2, res2, eps: float, zero_centred: bool = False) 
         x2, r2 if has_res else x2, weight, out2, res2 if has_res else out2,
         x2.stride(0), r2.stride(0) if has_res else 0, out2.stride(0),
         res2.stride(0) if has_res else 0, h, float(eps),
-        BLOCK=block, HAS_RES=has_res, ZERO_CENTRED=zero_centred, num_warps=num_warps)
+        BLOCK=block, HAS_RES=has_res, ZERO_CENTRED=zero_centred, num_warps=num_warps,
+        **pdl(_rms_norm_kernel))
 
 
 def rms_norm_triton(x: torch.Tensor, weight: torch.Tensor, eps: float,
@@ -193,5 +203,6 @@ def gated_rms_norm_triton(x: torch.Tensor, gate: torch.Tensor, weight: torch.Ten
     block = triton.next_power_of_2(d)
     _gated_rms_norm_kernel[(a, b)](
         x3, z3, weight.contiguous(), o3, x3.stride(0), x3.stride(1), z3.stride(0), z3.stride(1),
-        o3.stride(0), o3.stride(1), d, float(eps), BLOCK=block, num_warps=_warps(block))
+        o3.stride(0), o3.stride(1), d, float(eps), BLOCK=block, num_warps=_warps(block),
+        **pdl(_gated_rms_norm_kernel))
     return out

@@ -29,6 +29,7 @@ import triton.language as tl
 
 from epserve.kernels.dispatch import (DTYPES, MAX_FUSED_TOKENS, MAX_NORM_H, MAX_TRITON_EXPERTS,
                                       check_devices, interpreted)
+from epserve.kernels.triton.pdl import pdl
 from epserve.kernels.triton.router import softmax_topk_tile
 
 MAX_H = MAX_NORM_H
@@ -45,7 +46,10 @@ def _norm_router_kernel(x_ptr, r_ptr, nw_ptr, gw_ptr, out_ptr, res_out_ptr, logi
                         HAS_SLOTS: tl.constexpr, NUM_BLOCKS: tl.constexpr, TOP_K: tl.constexpr,
                         RENORMALIZE: tl.constexpr, BLOCK_H: tl.constexpr,
                         BLOCK_E: tl.constexpr, BLOCK_E_ALL: tl.constexpr,
-                        BLOCK_K: tl.constexpr, ZERO_CENTRED: tl.constexpr):
+                        BLOCK_K: tl.constexpr, ZERO_CENTRED: tl.constexpr, PDL: tl.constexpr):
+    if PDL:  # before any load or store (pdl.py)
+        tl.extra.cuda.gdc_wait()
+        tl.extra.cuda.gdc_launch_dependents()
     t = tl.program_id(0).to(tl.int64)
     b = tl.program_id(1)
     offs = tl.arange(0, BLOCK_H)
@@ -166,5 +170,5 @@ def add_norm_router_triton(x: torch.Tensor, residual: torch.Tensor, norm_weight:
         HAS_SLOTS=row_slots is not None, NUM_BLOCKS=nb, TOP_K=top_k,
         RENORMALIZE=bool(renormalize), BLOCK_H=block_h, BLOCK_E=block_e, BLOCK_E_ALL=triton.next_power_of_2(e),
         BLOCK_K=triton.next_power_of_2(top_k), ZERO_CENTRED=bool(zero_centred),
-        num_warps=num_warps or (1 if block_h <= 2048 else 4))
+        num_warps=num_warps or (1 if block_h <= 2048 else 4), **pdl(_norm_router_kernel))
     return normed, new_res, ids, weights

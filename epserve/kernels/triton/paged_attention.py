@@ -19,6 +19,7 @@ import triton
 import triton.language as tl
 
 from epserve.kernels.dispatch import check_paged_inputs, interpreted
+from epserve.kernels.triton.pdl import pdl
 
 
 @triton.jit
@@ -53,11 +54,14 @@ def _paged_decode_kernel(
     scale_log2, window, block_size,
     GROUP: tl.constexpr, GROUP_P: tl.constexpr, D: tl.constexpr, D_P: tl.constexpr,
     BLOCK_N: tl.constexpr, HAS_WINDOW: tl.constexpr, PRECISION: tl.constexpr,
-    WHILE_LOOP: tl.constexpr, HAS_GATE: tl.constexpr,
+    WHILE_LOOP: tl.constexpr, HAS_GATE: tl.constexpr, PDL: tl.constexpr,
 ):
     """Program (sequence s, kv head kvh): its GROUP query heads against the sequence's KV,
     output rows stored. Also called inline by the fused rope + decode kernel, whose programs
     are the same (s, kvh) grid."""
+    if PDL:  # before any load or store (pdl.py)
+        tl.extra.cuda.gdc_wait()
+        tl.extra.cuda.gdc_launch_dependents()
     s = tl.program_id(0)
     kvh = tl.program_id(1)
     seq_len = tl.load(sl_ptr + s)
@@ -155,8 +159,7 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
         q.stride(0), q.stride(1), out.stride(0), out.stride(1), 0, 0, block_tables.stride(0),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         float(scale) * 1.4426950408889634, int(sliding_window or 0), bs,
-        **consts, num_warps=4, num_stages=2,
-    )
+        **consts, num_warps=4, num_stages=2, **pdl(_paged_decode_kernel))
     return out
 
 

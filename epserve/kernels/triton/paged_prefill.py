@@ -25,6 +25,7 @@ import triton
 import triton.language as tl
 
 from epserve.kernels.dispatch import check_paged_inputs, interpreted
+from epserve.kernels.triton.pdl import pdl
 
 _MAP_COLS = 4  # row_start, n_rows, pos0, seq
 
@@ -97,8 +98,11 @@ def _paged_prefill_kernel(
     scale_log2, window, block_size, num_kv_heads,
     GROUP: tl.constexpr, GROUP_P: tl.constexpr, TOK: tl.constexpr, D: tl.constexpr,
     D_P: tl.constexpr, BLOCK_N: tl.constexpr, HAS_WINDOW: tl.constexpr,
-    PRECISION: tl.constexpr, WHILE_LOOP: tl.constexpr,
+    PRECISION: tl.constexpr, WHILE_LOOP: tl.constexpr, PDL: tl.constexpr,
 ):
+    if PDL:  # before any load or store (pdl.py)
+        tl.extra.cuda.gdc_wait()
+        tl.extra.cuda.gdc_launch_dependents()
     pid = tl.program_id(0)
     tile = pid // num_kv_heads
     kvh = pid % num_kv_heads
@@ -276,5 +280,5 @@ def paged_prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
         GROUP=group, GROUP_P=group_p, TOK=tile_map.tok, D=d, D_P=d_p, BLOCK_N=block_n,
         HAS_WINDOW=sliding_window is not None, PRECISION=precision, WHILE_LOOP=INTERPRETED,
         num_warps=num_warps or (8 if block_m >= 128 else 4), num_stages=num_stages or 2,
-    )
+        **pdl(_paged_prefill_kernel))
     return out

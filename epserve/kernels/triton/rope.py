@@ -42,6 +42,7 @@ import triton
 import triton.language as tl
 
 from epserve.kernels.dispatch import DTYPES, check_devices, check_kv_write_inputs, interpreted
+from epserve.kernels.triton.pdl import pdl
 
 
 @triton.jit
@@ -134,7 +135,11 @@ def _qk_norm_rope_kernel(q_ptr, k_ptr, pos_ptr, cos_ptr, sin_ptr, qw_ptr, kw_ptr
                          stride_kcb, stride_kco, stride_kch, stride_vcb, stride_vco, stride_vch,
                          num_tokens, BLOCK_R: tl.constexpr, HALF_P: tl.constexpr,
                          TAIL_P: tl.constexpr, HAS_QW: tl.constexpr, HAS_KW: tl.constexpr,
-                         WRITE_KV: tl.constexpr, ZC: tl.constexpr, HAS_TAIL: tl.constexpr):
+                         WRITE_KV: tl.constexpr, ZC: tl.constexpr, HAS_TAIL: tl.constexpr,
+                         PDL: tl.constexpr):
+    if PDL:  # before any load or store (pdl.py)
+        tl.extra.cuda.gdc_wait()
+        tl.extra.cuda.gdc_launch_dependents()
     # Programs [0, num_k_programs) take BLOCK_R consecutive (token, head) rows of k (token-major,
     # so rows of one token are adjacent in memory), the rest BLOCK_R rows of q: a program never
     # mixes the two tensors. The k programs (which also move v and both cache rows) go first.
@@ -249,7 +254,8 @@ def qk_norm_rope_triton(q: torch.Tensor, k: torch.Tensor, positions: torch.Tenso
         TAIL_P=triton.next_power_of_2(max(tail, 1)), HAS_QW=q_weight is not None,
         HAS_KW=k_weight is not None, WRITE_KV=with_kv, ZC=bool(zero_centred),
         HAS_TAIL=tail > 0, num_warps=num_warps,
-        enable_fp_fusion=False)  # products rounded before the add/sub, as torch's eager ops
+        enable_fp_fusion=False,
+        **pdl(_qk_norm_rope_kernel))  # products rounded before the add/sub, as torch's eager ops
     return q, k
 
 

@@ -32,6 +32,7 @@ import triton.language as tl
 
 from epserve.kernels.dispatch import DTYPES, check_paged_inputs, interpreted
 from epserve.kernels.triton.paged_attention import decode_constexprs, paged_decode_kernel
+from epserve.kernels.triton.pdl import pdl
 from epserve.kernels.triton.rope import check_qk_norm_rope_args, norm_rope_rows, write_kv_rows
 
 
@@ -48,8 +49,11 @@ def _rope_decode_kernel(
     ZC: tl.constexpr, HAS_TAIL: tl.constexpr,
     GROUP: tl.constexpr, GROUP_P: tl.constexpr, D: tl.constexpr, D_P: tl.constexpr,
     BLOCK_N: tl.constexpr, HAS_WINDOW: tl.constexpr, PRECISION: tl.constexpr,
-    WHILE_LOOP: tl.constexpr, HAS_GATE: tl.constexpr,
+    WHILE_LOOP: tl.constexpr, HAS_GATE: tl.constexpr, PDL: tl.constexpr,
 ):
+    if PDL:  # before any load or store (pdl.py)
+        tl.extra.cuda.gdc_wait()
+        tl.extra.cuda.gdc_launch_dependents()
     s = tl.program_id(0)
     kvh = tl.program_id(1)
     s64 = s.to(tl.int64)
@@ -88,7 +92,7 @@ def _rope_decode_kernel(
                         stride_qs, stride_qh, stride_os, stride_oh, stride_gs, stride_gh,
                         stride_bts, stride_kcb, stride_kco, stride_kch, scale_log2, window,
                         block_size, GROUP, GROUP_P, D, D_P, BLOCK_N, HAS_WINDOW, PRECISION,
-                        WHILE_LOOP, HAS_GATE)
+                        WHILE_LOOP, HAS_GATE, False)  # (this kernel waited on entry)
 
 
 # triton.jit picks the interpreter from TRITON_INTERPRET when this module is imported.
@@ -149,5 +153,5 @@ def rope_paged_decode_triton(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
         HALF_P=triton.next_power_of_2(half), TAIL_P=triton.next_power_of_2(max(tail, 1)),
         HAS_QW=q_weight is not None, HAS_KW=k_weight is not None, ZC=bool(zero_centred),
         HAS_TAIL=tail > 0, **consts, num_warps=4, num_stages=2,
-        enable_fp_fusion=False)
+        enable_fp_fusion=False, **pdl(_rope_decode_kernel))
     return out

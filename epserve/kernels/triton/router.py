@@ -19,6 +19,7 @@ import triton
 import triton.language as tl
 
 from epserve.kernels.dispatch import DTYPES, MAX_TRITON_EXPERTS, check_router_args, use_triton
+from epserve.kernels.triton.pdl import pdl
 
 _TILE_ELEMS = 1024  # BLOCK_T * BLOCK_E per program
 
@@ -60,8 +61,11 @@ def softmax_topk_tile(x, col_ok, TOP_K: tl.constexpr, RENORMALIZE: tl.constexpr,
 @triton.jit(do_not_specialize=["num_tokens"])  # varies per step: one compile
 def _topk_softmax_kernel(logits_ptr, ids_ptr, weights_ptr, num_tokens, num_experts, stride_t,
                          TOP_K: tl.constexpr, RENORMALIZE: tl.constexpr, BLOCK_T: tl.constexpr,
-                         BLOCK_E: tl.constexpr, BLOCK_K: tl.constexpr):
+                         BLOCK_E: tl.constexpr, BLOCK_K: tl.constexpr, PDL: tl.constexpr):
     """Rows ``[pid * BLOCK_T, +BLOCK_T)``: softmax, K argmax rounds, store ids and weights."""
+    if PDL:  # before any load or store (pdl.py)
+        tl.extra.cuda.gdc_wait()
+        tl.extra.cuda.gdc_launch_dependents()
     pid = tl.program_id(0)
     rows = pid * BLOCK_T + tl.arange(0, BLOCK_T)
     row_ok = rows < num_tokens
@@ -116,5 +120,6 @@ def topk_softmax_triton(logits: torch.Tensor, top_k: int, renormalize: bool, *,
     _topk_softmax_kernel[grid](
         logits, ids, weights, t, e, logits.stride(0),
         TOP_K=top_k, RENORMALIZE=bool(renormalize), BLOCK_T=block_t, BLOCK_E=block_e,
-        BLOCK_K=triton.next_power_of_2(top_k), num_warps=4 if block_t * block_e >= 512 else 2)
+        BLOCK_K=triton.next_power_of_2(top_k), num_warps=4 if block_t * block_e >= 512 else 2,
+        **pdl(_topk_softmax_kernel))
     return ids, weights

@@ -20,6 +20,7 @@ import triton
 import triton.language as tl
 
 from epserve.kernels.dispatch import MASK32, MIX_C1, MIX_C2, check_gumbel_args
+from epserve.kernels.triton.pdl import pdl
 
 _MASK32 = tl.constexpr(MASK32)
 _C1 = tl.constexpr(MIX_C1)
@@ -52,8 +53,11 @@ def _gumbel(h):
 
 
 @triton.jit
-def _noise_kernel(key_ptr, h_ptr, g_ptr, V, BLOCK: tl.constexpr):
+def _noise_kernel(key_ptr, h_ptr, g_ptr, V, BLOCK: tl.constexpr, PDL: tl.constexpr):
     """Writes the hash (as int64) and the Gumbel noise of one BLOCK of one row (for tests)."""
+    if PDL:  # before any load or store (pdl.py)
+        tl.extra.cuda.gdc_wait()
+        tl.extra.cuda.gdc_launch_dependents()
     row = tl.program_id(0)
     offs = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     valid = offs < V
@@ -65,7 +69,8 @@ def _noise_kernel(key_ptr, h_ptr, g_ptr, V, BLOCK: tl.constexpr):
 
 @triton.jit(do_not_specialize=["nb"])
 def _gumbel_argmax_kernel(x_ptr, stride_x, key_ptr, inv_t_ptr, noisy_ptr, thr_ptr, tid_ptr,
-                          ban_ptr, best_ptr, arg_ptr, V, n_tiles, nb, BLOCK: tl.constexpr):
+                          ban_ptr, best_ptr, arg_ptr, V, n_tiles, nb, BLOCK: tl.constexpr,
+                          PDL: tl.constexpr):
     """(max, lowest argmax) of ``s + G`` over one BLOCK of one row (see the module docstring).
 
     nb: banned ids per row (0 = none), -1 padded; checked one id at a time, so only BLOCK-sized
@@ -73,6 +78,9 @@ def _gumbel_argmax_kernel(x_ptr, stride_x, key_ptr, inv_t_ptr, noisy_ptr, thr_pt
     with each request's stop ids) launches the one compiled variant. Lanes past V are -inf
     and never chosen; a tile whose lanes are all -inf reports its first id (torch.argmax's
     pick)."""
+    if PDL:  # before any load or store (pdl.py)
+        tl.extra.cuda.gdc_wait()
+        tl.extra.cuda.gdc_launch_dependents()
     row = tl.program_id(0)
     tile = tl.program_id(1)
     offs = tile * BLOCK + tl.arange(0, BLOCK)
@@ -101,7 +109,8 @@ def noise_triton(keys: torch.Tensor, vocab: int,
     h = torch.empty((r, vocab), dtype=torch.int64, device=keys.device)
     g = torch.empty((r, vocab), dtype=torch.float32, device=keys.device)
     if r and vocab:
-        _noise_kernel[(r, triton.cdiv(vocab, block))](keys.contiguous(), h, g, vocab, BLOCK=block)
+        _noise_kernel[(r, triton.cdiv(vocab, block))](keys.contiguous(), h, g, vocab, BLOCK=block,
+                                                      **pdl(_noise_kernel))
     return h, g
 
 
@@ -130,6 +139,6 @@ def gumbel_argmax_triton(x: torch.Tensor, keys: torch.Tensor, inv_t: torch.Tenso
         noisy.to(torch.int32).contiguous(), thr.to(torch.float32).contiguous(),
         tid.contiguous(), banned.contiguous(), best, arg, v, n_tiles, banned.shape[1],
         BLOCK=block, num_warps=8 if block >= 2048 else 4,
-        enable_fp_fusion=False)
+        enable_fp_fusion=False, **pdl(_gumbel_argmax_kernel))
     tile = torch.argmax(best, dim=1, keepdim=True)
     return arg.gather(1, tile).squeeze(1).to(torch.int64).clamp_(0, v - 1)

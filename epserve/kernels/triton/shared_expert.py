@@ -37,6 +37,7 @@ import triton.language as tl
 from epserve.kernels.dispatch import DTYPES, check_devices, interpreted
 from epserve.kernels.triton.fused_moe import combine_pairs_block
 from epserve.kernels.triton.linear import default_gemv_tiles, gemv_block
+from epserve.kernels.triton.pdl import pdl
 
 
 @triton.jit
@@ -51,8 +52,12 @@ def _gemv_rows(x_ptr, w_ptr, out_ptr, row0, N, stride_wn,
 
 @triton.jit
 def _gate_up_gate_kernel(x_ptr, wa_ptr, wb_ptr, out_ptr, NA, NB, stride_wa, stride_wb,
-                         K: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+                         K: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                         PDL: tl.constexpr):
     """Output rows [0, NA) from ``wa`` (gate_up), [NA, NA + NB) from ``wb`` (the gate)."""
+    if PDL:  # before any load or store (pdl.py)
+        tl.extra.cuda.gdc_wait()
+        tl.extra.cuda.gdc_launch_dependents()
     pid = tl.program_id(0)
     blocks_a = tl.cdiv(NA, BLOCK_N)
     if pid < blocks_a:
@@ -65,11 +70,15 @@ def _gate_up_gate_kernel(x_ptr, wa_ptr, wb_ptr, out_ptr, NA, NB, stride_wa, stri
 @triton.jit
 def _swiglu_down_kernel(gu_ptr, w_ptr, routed_ptr, ids_ptr, out_ptr, N, stride_wn, num_local,
                         expert_offset, I: tl.constexpr, PAIRS: tl.constexpr,
-                        TOP_K: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+                        TOP_K: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                        PDL: tl.constexpr):
     """``out = routed + sigmoid(gu[2I]) * (w @ (silu(gu[:I]) * gu[I:2I]))`` over rows
     ``[pid * BLOCK_N, +BLOCK_N)``, rounded to out's dtype where the eager ops round. ``routed``
     is a row [N], or with PAIRS the token's TOP_K pair rows [TOP_K, N], those whose ``ids``
     name a local expert summed in float32 and rounded as ``combine_pairs_triton`` stores them."""
+    if PDL:  # before any load or store (pdl.py)
+        tl.extra.cuda.gdc_wait()
+        tl.extra.cuda.gdc_launch_dependents()
     dt = out_ptr.dtype.element_ty
     rows = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     r_ok = rows < N
@@ -97,8 +106,11 @@ def _swiglu_down_kernel(gu_ptr, w_ptr, routed_ptr, ids_ptr, out_ptr, N, stride_w
 
 
 @triton.jit
-def _swiglu_kernel(gu_ptr, out_ptr, stride_g, stride_o, I, BLOCK: tl.constexpr):
+def _swiglu_kernel(gu_ptr, out_ptr, stride_g, stride_o, I, BLOCK: tl.constexpr, PDL: tl.constexpr):
     """Row ``pid0``: ``silu(gu[:I]) * gu[I:2I]``, each op rounded to out's dtype."""
+    if PDL:  # before any load or store (pdl.py)
+        tl.extra.cuda.gdc_wait()
+        tl.extra.cuda.gdc_launch_dependents()
     dt = out_ptr.dtype.element_ty
     row = tl.program_id(0).to(tl.int64)
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
@@ -111,8 +123,11 @@ def _swiglu_kernel(gu_ptr, out_ptr, stride_g, stride_o, I, BLOCK: tl.constexpr):
 
 @triton.jit
 def _gate_add_kernel(y_ptr, logit_ptr, routed_ptr, out_ptr, stride_y, stride_l, stride_r,
-                     stride_o, H, BLOCK: tl.constexpr):
+                     stride_o, H, BLOCK: tl.constexpr, PDL: tl.constexpr):
     """Row ``pid0``: ``routed + sigmoid(logit) * y``, each op rounded to out's dtype."""
+    if PDL:  # before any load or store (pdl.py)
+        tl.extra.cuda.gdc_wait()
+        tl.extra.cuda.gdc_launch_dependents()
     dt = out_ptr.dtype.element_ty
     row = tl.program_id(0).to(tl.int64)
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
@@ -190,12 +205,12 @@ def _one_row(x, routed, ids, w_gate_up, w_down, w_gate, expert_offset, num_local
     bn, bk, nw, ns = default_gemv_tiles(2 * i + 1, h, x.element_size())
     _gate_up_gate_kernel[(triton.cdiv(2 * i, bn) + 1,)](
         x, w_gate_up, w_gate, gu, 2 * i, 1, w_gate_up.stride(0), w_gate.stride(0),
-        K=h, BLOCK_N=bn, BLOCK_K=bk, num_warps=nw, num_stages=ns)
+        K=h, BLOCK_N=bn, BLOCK_K=bk, num_warps=nw, num_stages=ns, **pdl(_gate_up_gate_kernel))
     bn, bk, nw, ns = default_gemv_tiles(h, i, x.element_size())
     _swiglu_down_kernel[(triton.cdiv(h, bn),)](
         gu, w_down, routed, routed if ids is None else ids, out, h, w_down.stride(0), num_local,
         expert_offset, I=i, PAIRS=ids is not None, TOP_K=0 if ids is None else ids.shape[1],
-        BLOCK_N=bn, BLOCK_K=bk, num_warps=nw, num_stages=ns)
+        BLOCK_N=bn, BLOCK_K=bk, num_warps=nw, num_stages=ns, **pdl(_swiglu_down_kernel))
     return out
 
 
@@ -220,7 +235,7 @@ def swiglu_triton(gate_up: torch.Tensor) -> torch.Tensor:
         block = min(triton.next_power_of_2(two_i // 2), 1024)
         _swiglu_kernel[(t, triton.cdiv(two_i // 2, block))](
             gate_up, out, gate_up.stride(0), out.stride(0), two_i // 2, BLOCK=block,
-            num_warps=4)
+            num_warps=4, **pdl(_swiglu_kernel))
     return out
 
 
@@ -237,5 +252,5 @@ def gate_add_triton(y: torch.Tensor, logit: torch.Tensor, routed: torch.Tensor) 
         block = min(triton.next_power_of_2(h), 1024)
         _gate_add_kernel[(t, triton.cdiv(h, block))](
             y, logit, routed, out, y.stride(0), logit.stride(0), routed.stride(0), out.stride(0),
-            h, BLOCK=block, num_warps=4)
+            h, BLOCK=block, num_warps=4, **pdl(_gate_add_kernel))
     return out
