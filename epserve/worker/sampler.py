@@ -162,7 +162,9 @@ def launch_sample(logits: torch.Tensor, rows: Sequence[RowSampling],
     counter); penalties: the penalized rows' ``worker.penalties.PenaltyTable`` or None. Scaled
     logits are ``float32(logit) * float32(1 / temperature)``; rows with
     top-k / top-p / min-p are sorted once (together) to find where their kept set ends; then
-    every row, greedy ones included, is drawn by one ``gumbel_argmax`` over the batch.
+    every row, greedy ones included, is drawn by one ``gumbel_argmax`` over the batch. A batch of
+    plain greedy rows (no bans, bias, penalties or logprobs) takes ``argmax`` alone, the same
+    token (the first maximum).
     """
     n = logits.shape[0]
     if len(rows) != n or len(output_indices) != n:
@@ -178,6 +180,12 @@ def launch_sample(logits: torch.Tensor, rows: Sequence[RowSampling],
     want = [i for i, r in enumerate(rows) if r.logprobs is not None]
     biased = [(i, t, b) for i, r in enumerate(rows) for t, b in r.logit_bias if 0 <= t < v]
     nf, nw, nbias = len(filt), len(want), len(biased)
+    if all(greedy) and not (nb or nw or nbias) and penalties is None:
+        # plain greedy rows: the draw below is the first maximum of each row, which is what
+        # argmax returns; one reduction instead of ~8 launches (shipping the rows' settings,
+        # the fills, the draw, the casts): the decode step's tail at batch 1
+        tokens = torch.argmax(logits, dim=1)
+        return PendingSample(tokens, tokens, rows, [], 0)
     ints = [0 if g else _as_int64(mix_seed(r.seed, o))
             for r, o, g in zip(rows, output_indices, greedy)]
     ints += [0 if g else 1 for g in greedy]

@@ -29,6 +29,21 @@ def test_greedy_is_argmax_with_low_id_ties():
     assert all(t.logprob == 0.0 and t.top == () for t in out)
 
 
+def test_plain_greedy_batch_draws_what_the_general_draw_does():
+    """A batch of plain greedy rows skips the Gumbel draw (argmax alone): the same tokens as
+    the same rows drawn with it (asking for logprobs takes the general path), ties and rows
+    of -inf included."""
+    x = logits_batch(4)
+    x[1] = 0.0
+    x[1, 9] = x[1, 4] = 2.0
+    x[2] = -math.inf
+    x[3, 11] = x[3].max()
+    fast = ids(sample_rows(x, [RowSampling(temperature=0.0)] * 4, [0] * 4))
+    general = ids(sample_rows(x, [RowSampling(temperature=0.0, logprobs=0)] * 4, [0] * 4))
+    assert fast == general
+    assert fast[1] == 4 and fast[2] == 0 and fast[3] == min(11, int(x[3].argmax()))
+
+
 def test_banned_ids_apply_to_greedy_and_are_never_sampled():
     x = logits_batch(1).repeat(2, 1)
     top2 = x[0].topk(2).indices.tolist()
