@@ -9,12 +9,14 @@ torch references and entries.
   the output projection: ``linear(gated_rms_norm(o, z, w, eps).reshape(n, Hv Dv), w_out)``
   (``gated_norm_out_proj_ref``: the references).
 
-At one row on the Triton path (a batch-1 decode step, as a CUDA graph captures it) each is one
-launch of ``epserve.kernels.triton.deltanet_proj``: the GEMV with the conv in its epilogue (a
-program's output rows are its conv channels: no other program touches their state), and the
-GEMV with the gated norm in its prologue (each program normalises o per head as it streams
-the weight's columns head by head). Otherwise the two entries run as before: the conv and the
-norm are then one launch each on the Triton path, the reference on CPU.
+At one row on the Triton path (a batch-1 decode step, as a CUDA graph captures it) the first is
+one launch of ``epserve.kernels.triton.deltanet_proj``: the GEMV with the conv in its epilogue
+(a program's output rows are its conv channels: no other program touches their state);
+otherwise the conv is a launch of its own. The second is always its two entries, a launch
+each: the gated norm fused into the GEMV's prologue (every program re-normalising o for the
+heads it streams) measured slower than the two launches once kernels launch with programmatic
+dependent launch (H200, graph-timed at batch 1: 6.98 against 6.41 us, session 19;
+bench/RESULTS.md), so it was removed.
 """
 
 from __future__ import annotations
@@ -24,8 +26,8 @@ from typing import Sequence
 import torch
 
 from epserve.kernels.causal_conv import causal_conv1d_ref, causal_conv_step
-from epserve.kernels.dispatch import (DTYPES, MAX_CONV_WIDTH, MAX_NORM_H, gather_states,
-                                      scatter_states, use_triton)
+from epserve.kernels.dispatch import (DTYPES, MAX_CONV_WIDTH, gather_states, scatter_states,
+                                      use_triton)
 from epserve.kernels.linear import linear, linear_ref
 from epserve.kernels.norm import gated_rms_norm, gated_rms_norm_ref
 
@@ -93,18 +95,5 @@ def gated_norm_out_proj(o: torch.Tensor, z: torch.Tensor, norm_weight: torch.Ten
         raise ValueError(f"gated_norm_out_proj: o {tuple(o.shape)}, z {tuple(z.shape)} must "
                          f"be [n, Hv, Dv], norm_weight {tuple(norm_weight.shape)} [Dv] and "
                          f"w_out {tuple(w_out.shape)} [H, Hv Dv]")
-    if o.shape[0] == 1 and _out_covers(o, z, norm_weight, w_out):
-        from epserve.kernels.triton.deltanet_proj import gated_norm_out_proj_triton
-
-        return gated_norm_out_proj_triton(o, z, norm_weight, eps, w_out)
     n = o.shape[0]
     return linear(gated_rms_norm(o, z, norm_weight, eps).reshape(n, -1), w_out)
-
-
-def _out_covers(o, z, norm_weight, w_out) -> bool:
-    if o.dtype not in DTYPES or w_out.dtype != o.dtype or z.dtype not in DTYPES \
-            or norm_weight.dtype not in DTYPES or not 1 <= o.shape[2] <= MAX_NORM_H:
-        return False
-    if any(t.stride(-1) != 1 for t in (o, z, w_out)):
-        return False
-    return use_triton(o) and all(t.device == o.device for t in (z, norm_weight, w_out))

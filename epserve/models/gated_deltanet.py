@@ -26,8 +26,8 @@ state by the accepted tokens only (so a rejected draft never touches a state). E
 hands a and b to ``gated_delta_step_gates``, whose decode and varlen kernels compute g and
 beta in their programs; a step without runs runs its projections
 through ``deltanet_proj`` (``in_proj_conv``, ``gated_norm_out_proj``): a one-row decode step
-on CUDA is then three launches (the input projection with the conv update, the decode kernel,
-the gated norm with the output projection).
+on CUDA is then four launches (the input projection with the conv update, the decode kernel,
+the gated norm, the output projection).
 """
 
 from __future__ import annotations

@@ -1,8 +1,8 @@
-"""A DeltaNet layer's projections with their neighbour fused at one row
-(``epserve.kernels.deltanet_proj``): the input projection with the causal-conv update in its
-epilogue, the gated norm in the output projection's prologue. Each kernel (interpreter on
-CPU) against its reference (the two ops' references in order) and against the two launches it
-replaces; the entries on both paths (fused for one decode row only). CUDA (bf16, the model's
+"""A DeltaNet layer's projections (``epserve.kernels.deltanet_proj``): the input projection with
+the causal-conv update in its epilogue at one row (the kernel, interpreter on CPU, against its
+reference, the two ops' references in order, and against the two launches it replaces), and
+the gated norm then the output projection, two launches; the entries on both paths (fused for
+one decode row only). CUDA (bf16, the model's
 shapes, a CUDA graph): tests/gpu/test_hybrid_kernels_gpu.py.
 
 Bars: fp32 within 1e-5 (float32 sums in another order; the interpreted fused launch equals the
@@ -82,36 +82,13 @@ def test_in_proj_conv_kernel_bf16(interpret, monkeypatch):
     torch.testing.assert_close(pool.float(), want_pool.float(), **BF16)
 
 
-@needs_triton
-@pytest.mark.parametrize("hv,dv,h", [(4, 16, 24), (3, 12, 40), (8, 8, 64), (1, 5, 9)],
-                         ids=lambda v: str(v))
-def test_gated_norm_out_kernel(hv, dv, h, interpret, monkeypatch):
-    o, z, nw, eps, w_out = _out_case(hv, dv, h, seed=hv * dv)
-    got = dpk.gated_norm_out_proj_triton(o, z, nw, eps, w_out)
-    two = lin.linear_gemv_triton(norm.gated_rms_norm_triton(o, z, nw, eps).reshape(1, -1),
-                                 w_out)  # the two launches it replaces
-    torch.testing.assert_close(got, two, **FP32)
-    monkeypatch.delenv("TRITON_INTERPRET")
-    torch.testing.assert_close(got, gated_norm_out_proj_ref(o, z, nw, eps, w_out), **FP32)
-
-
-@needs_triton
-@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
-def test_gated_norm_out_kernel_half(dtype, interpret, monkeypatch):
-    o, z, nw, eps, w_out = _out_case(4, 32, 48, dtype, seed=5)
-    got = dpk.gated_norm_out_proj_triton(o, z, nw, eps, w_out)
-    assert got.dtype == dtype
-    monkeypatch.delenv("TRITON_INTERPRET")
-    torch.testing.assert_close(got.float(), gated_norm_out_proj_ref(o, z, nw, eps,
-                                                                    w_out).float(), **BF16)
-
-
 @pytest.mark.parametrize("rows,decode", [(1, True), (2, True), (3, False)],
                          ids=["one_row", "two_rows", "prefill"])
 def test_entries_on_both_paths(path, rows, decode, monkeypatch):
     """The layer's calls: equal to the references (the conv from each sequence's state, one
     sequence of 3 tokens for the prefill); on the interpreter a one-row decode takes one fused
-    launch each and neither the conv's nor the norm's own kernel."""
+    launch for the projection and conv (not the conv's own kernel), then the gated norm's and
+    the GEMV's."""
     _, w_in, cw, pool, _, _ = _in_case(30, 20, 16, 4, seed=rows)
     gen = torch.Generator().manual_seed(9)
     x = torch.randn(rows, 16, generator=gen)
@@ -127,16 +104,24 @@ def test_entries_on_both_paths(path, rows, decode, monkeypatch):
         want_y, want_rest = in_proj_conv(x, w_in, cw, want_pool, slots, fresh, cu, decode)
         want_out = gated_norm_out_proj(o, z, nw, eps, w_out)
     fused = path == "interpreter" and rows == 1
-    if fused:
-        for mod, fn in ((conv, "causal_conv_update_triton"), (norm, "gated_rms_norm_triton")):
-            monkeypatch.setattr(mod, fn, lambda *a, _f=fn: pytest.fail(f"{_f}: not fused"))
-        monkeypatch.setattr(dp, "linear", lambda *a: pytest.fail("linear: not fused"))
-    y, rest = in_proj_conv(x, w_in, cw, pool, slots, fresh, cu, decode)
+    with monkeypatch.context() as m:
+        if fused:
+            m.setattr(conv, "causal_conv_update_triton",
+                      lambda *a: pytest.fail("causal_conv_update_triton: not fused"))
+            m.setattr(dp, "linear", lambda *a: pytest.fail("linear: not fused"))
+        y, rest = in_proj_conv(x, w_in, cw, pool, slots, fresh, cu, decode)
+    calls = []
+    if path == "interpreter":
+        real = norm.gated_rms_norm_triton
+        monkeypatch.setattr(norm, "gated_rms_norm_triton",
+                            lambda *a: calls.append("norm") or real(*a))
     out = gated_norm_out_proj(o, z, nw, eps, w_out)
+    assert calls == (["norm"] if path == "interpreter" else [])
     torch.testing.assert_close(y, want_y, **FP32)
     torch.testing.assert_close(rest, want_rest, **FP32)
     torch.testing.assert_close(pool, want_pool, **FP32)
     torch.testing.assert_close(out, want_out, **FP32)
+    torch.testing.assert_close(out, gated_norm_out_proj_ref(o, z, nw, eps, w_out), **FP32)
 
 
 def test_entry_errors():
@@ -159,8 +144,3 @@ def test_kernel_errors(interpret):
         dpk.in_proj_conv_triton(x, w_in, cw, pool[:, :4], slots, fresh)
     with pytest.raises(ValueError, match="one of"):
         dpk.in_proj_conv_triton(x, w_in.double(), cw, pool, slots, fresh)
-    o, z, nw, eps, w_out = _out_case(2, 8, 16)
-    with pytest.raises(ValueError, match=r"\[1, Hv, Dv\]"):
-        dpk.gated_norm_out_proj_triton(torch.cat([o, o]), torch.cat([z, z]), nw, eps, w_out)
-    with pytest.raises(ValueError, match="share"):
-        dpk.gated_norm_out_proj_triton(o, z, nw, eps, w_out.half())

@@ -162,9 +162,12 @@ def test_a_batch_1_decode_forward_launches(models, cuda_path, monkeypatch):
     runner.step([("a", [8])])
     assert set(count.ops) <= {"embedding", "eq"}, count.ops
     layers = len(cfg.layer_types)
-    assert sum(launches.values()) == 9 * layers + 1, launches  # + the final norm
+    attention = cfg.layer_types.count("full_attention")
+    deltanet = layers - attention  # (+1: the gated norm before the output projection)
+    assert sum(launches.values()) == 9 * layers + deltanet + 1, launches  # + the final norm
     assert "_combine_kernel" not in launches, launches  # in the shared expert's epilogue
-    attention = cfg.layer_types.count("full_attention")  # its two projections: plain GEMVs
-    assert launches["_gemv_kernel"] == 2 * attention, launches  # (the DeltaNet's are fused)
-    assert launches["_in_proj_conv_kernel"] == launches["_gated_norm_out_kernel"] == \
-        layers - attention and launches["_swiglu_down_kernel"] == layers, launches
+    # plain GEMVs: attention's two projections, the DeltaNet's output projection (its input
+    # projection carries the conv)
+    assert launches["_gemv_kernel"] == 2 * attention + deltanet, launches
+    assert launches["_in_proj_conv_kernel"] == launches["_gated_rms_norm_kernel"] == \
+        deltanet and launches["_swiglu_down_kernel"] == layers, launches

@@ -77,7 +77,7 @@ def _meta(qsl, seq_lens, decode, tables, slots, **kw):
 
 _MOD = dict(zip(_NAMES, _MODS))
 #: the kernels a decode step of each layer must launch on the Triton path (module, entry);
-#: a one-row step's DeltaNet fuses the conv and the gated norm into its projections' GEMVs
+#: a one-row step's DeltaNet fuses the conv into its input projection's GEMV
 _DECODE_KERNELS = {
     "linear_attention": [("norm", "fused_add_rms_norm_triton"),
                          ("causal_conv_update", "causal_conv_update_triton"),
@@ -86,14 +86,12 @@ _DECODE_KERNELS = {
     "linear_attention_one_row": [("norm", "fused_add_rms_norm_triton"),
                                  ("deltanet_proj", "in_proj_conv_triton"),
                                  ("gated_delta_decode", "gated_delta_decode_gates_triton"),
-                                 ("deltanet_proj", "gated_norm_out_proj_triton")],
+                                 ("norm", "gated_rms_norm_triton")],
     "full_attention": [("norm", "fused_add_rms_norm_triton"),
                        ("rope_decode", "rope_paged_decode_triton")],
 }
 #: what a one-row decode step must not launch (fused away)
-_FUSED_AWAY = {"linear_attention_one_row": [("causal_conv_update", "causal_conv_update_triton"),
-                                            ("norm", "gated_rms_norm_triton"),
-                                            ("linear", "linear_gemv_triton")]}
+_FUSED_AWAY = {"linear_attention_one_row": [("causal_conv_update", "causal_conv_update_triton")]}
 
 
 def _spy(monkeypatch, layer_type) -> dict:

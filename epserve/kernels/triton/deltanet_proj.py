@@ -1,5 +1,5 @@
-"""Triton: a gated-DeltaNet layer's two projections at one row, each with the op beside it in
-the same launch (contracts: ``epserve.kernels.deltanet_proj``, the references).
+"""Triton: a gated-DeltaNet layer's input projection at one row with the causal conv in the same
+launch (contract: ``epserve.kernels.deltanet_proj``, the references).
 
 ``_in_proj_conv_kernel``: ``linear``'s GEMV (``default_gemv_tiles``: program ``p`` owns output
 rows ``[p * BLOCK_N, +BLOCK_N)``) whose epilogue runs the causal-conv decode update on the rows
@@ -11,14 +11,7 @@ belongs to one program, but its value is replicated across that program's thread
 GEMV's reduced layout), so the window is read whole, then moved, with a barrier between
 every read and the store that overwrites it (without them fp32's tiles read moved columns).
 
-``_gated_norm_out_kernel``: the output projection's GEMV over K = Hv Dv walked HB value heads
-at a time (a [BLOCK_N, HB, Dv] weight tile); its prologue forms each head's gated norm
-``rms_norm(o_h) * w * silu(z_h)`` rounded as ``gated_rms_norm_triton`` does (every program
-recomputes it for the heads it streams: a few KB of o and z per program against its weight
-rows).
-
-Both are bit-compatible in what they store with the two launches they replace but for the
-order of float32 sums. CUDA-graph capturable (slots and the fresh flag read on the device).
+It stores what the two launches it replaces store, but for the order of float32 sums. CUDA-graph capturable (slots and the fresh flag read on the device).
 Importing this module imports triton; kernels decorated while ``TRITON_INTERPRET=1`` is set
 run in the interpreter.
 """
@@ -71,40 +64,6 @@ def _in_proj_conv_kernel(x_ptr, w_ptr, cw_ptr, pool_ptr, slot_ptr, fresh_ptr, ou
     tl.store(out_ptr + rows, out, mask=r_ok)
 
 
-@triton.jit
-def _gated_norm_out_kernel(o_ptr, z_ptr, nw_ptr, w_ptr, out_ptr, N, stride_oh, stride_zh,
-                           stride_wn, eps, HV: tl.constexpr, DV: tl.constexpr,
-                           DV_P: tl.constexpr, HB: tl.constexpr, BLOCK_N: tl.constexpr,
-                           PDL: tl.constexpr):
-    if PDL:  # before any load or store (pdl.py)
-        tl.extra.cuda.gdc_wait()
-        tl.extra.cuda.gdc_launch_dependents()
-    dt = out_ptr.dtype.element_ty
-    rows = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
-    r_ok = rows < N
-    d = tl.arange(0, DV_P)
-    d_ok = d < DV
-    nw = tl.load(nw_ptr + d, mask=d_ok, other=0.0).to(tl.float32)
-    w_rows = w_ptr + rows[:, None, None].to(tl.int64) * stride_wn
-    acc = tl.zeros((BLOCK_N, HB, DV_P), dtype=tl.float32)
-    for h0 in range(0, HV, HB):
-        heads = h0 + tl.arange(0, HB)
-        m = (heads < HV)[:, None] & d_ok[None, :]
-        o = tl.load(o_ptr + heads[:, None] * stride_oh + d[None, :], mask=m,
-                    other=0.0).to(tl.float32)
-        normed = (o * tl.rsqrt(tl.sum(o * o, axis=1) / DV + eps)[:, None]).to(dt)
-        y = (nw[None, :] * normed.to(tl.float32)).to(dt).to(tl.float32)
-        z = tl.load(z_ptr + heads[:, None] * stride_zh + d[None, :], mask=m,
-                    other=0.0).to(tl.float32)
-        g = (y * (z / (1.0 + tl.exp(-z)))).to(dt).to(tl.float32)  # the gated norm's output
-        cols = heads[:, None] * DV + d[None, :]
-        w = tl.load(w_rows + cols[None, :, :], mask=r_ok[:, None, None] & m[None, :, :],
-                    other=0.0)
-        acc += w.to(tl.float32) * g[None, :, :]
-    out = tl.sum(tl.sum(acc, axis=2), axis=1)
-    tl.store(out_ptr + rows, out.to(dt), mask=r_ok)
-
-
 # triton.jit picks the interpreter from TRITON_INTERPRET when this module is imported.
 INTERPRETED = interpreted(_in_proj_conv_kernel)
 _MODULE = "epserve.kernels.triton.deltanet_proj"
@@ -144,38 +103,4 @@ def in_proj_conv_triton(x: torch.Tensor, w_in: torch.Tensor, conv_weight: torch.
         w_in.stride(0), conv_weight.stride(0), state_pool.stride(0), state_pool.stride(1),
         state_pool.stride(2), K=h, KW=kw, BLOCK_N=bn, BLOCK_K=bk, num_warps=nw, num_stages=ns,
         **pdl(_in_proj_conv_kernel))
-    return out
-
-
-def gated_norm_out_proj_triton(o: torch.Tensor, z: torch.Tensor, norm_weight: torch.Tensor,
-                               eps: float, w_out: torch.Tensor) -> torch.Tensor:
-    """``gated_norm_out_proj_ref`` for one row in one launch: o, z [1, Hv, Dv] (o and w_out
-    [H, Hv Dv] one dtype of ``DTYPES``; z any of them; last dims contiguous, other strides
-    free), norm_weight [Dv]. Returns a new [1, H] in o's dtype."""
-    name = "gated_norm_out_proj_triton"
-    if o.dim() != 3 or o.shape[0] != 1 or z.shape != o.shape:
-        raise ValueError(f"{name}: o {tuple(o.shape)} and z {tuple(z.shape)} must be "
-                         f"[1, Hv, Dv]")
-    _, hv, dv = o.shape
-    if norm_weight.shape != (dv,) or w_out.dim() != 2 or w_out.shape[1] != hv * dv:
-        raise ValueError(f"{name}: norm_weight {tuple(norm_weight.shape)} must be [{dv}] and "
-                         f"w_out {tuple(w_out.shape)} [H, {hv * dv}]")
-    if o.dtype not in DTYPES or w_out.dtype != o.dtype or z.dtype not in DTYPES \
-            or norm_weight.dtype not in DTYPES:
-        raise ValueError(f"{name}: o {o.dtype} and w_out {w_out.dtype} must share one of "
-                         f"{DTYPES}; z {z.dtype}, norm_weight {norm_weight.dtype} in it")
-    if any(t.stride(-1) != 1 for t in (o, z, w_out)) and dv > 1:
-        raise ValueError(f"{name}: o, z and w_out need a contiguous last dim")
-    check_devices(name, (o, z, norm_weight, w_out), INTERPRETED, _MODULE)
-    h = w_out.shape[0]
-    out = torch.empty((1, h), dtype=o.dtype, device=o.device)
-    if h == 0 or hv * dv == 0:
-        return out
-    bn, bk, nw, ns = default_gemv_tiles(h, hv * dv, o.element_size())
-    dv_p = triton.next_power_of_2(dv)
-    hb = max(1, min(triton.next_power_of_2(hv), bk // dv_p))
-    _gated_norm_out_kernel[(triton.cdiv(h, bn),)](
-        o, z, norm_weight.contiguous(), w_out, out, h, o.stride(1), z.stride(1),
-        w_out.stride(0), float(eps), HV=hv, DV=dv, DV_P=dv_p, HB=hb, BLOCK_N=bn,
-        num_warps=nw, num_stages=ns, **pdl(_gated_norm_out_kernel))
     return out

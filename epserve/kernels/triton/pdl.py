@@ -1,6 +1,6 @@
 """Programmatic dependent launch (PDL) for every Triton kernel here, on Hopper and later.
 
-A decode step is a few hundred small kernels back to back (363 at the Qwen3.5-35B-A3B shape),
+A decode step is a few hundred small kernels back to back (393 at the Qwen3.5-35B-A3B shape),
 each a few microseconds: the time between one kernel's end and the next one's start is a large
 share of the step. With PDL a kernel may be launched while the one before it in the stream is
 still running: its programs start, wait in ``gdc_wait`` until that kernel has finished and its
