@@ -18,6 +18,9 @@ place, under Serve's own lock of it:
   408, 500, 502, 503, 504: OpenAI's error JSON, statuses kept) instead of Serve's text 500,
   and JSON for the default backend's 404;
 - Serve's stats page and Prometheus exporter listen on 127.0.0.1, not every interface;
+- the HTTP frontend listens on the address the user asked for (``--host``), while Serve itself
+  is started on 127.0.0.1 so that what it binds there (the ingress replicas' own HTTP servers,
+  its fallback proxy) stays on loopback: only HAProxy faces the network;
 - a replica's 408 (a body that stalled) reaches the client with ``connection: close``
   (HAProxy drops the replica's own; ``timeout client`` then closes the connection).
 
@@ -42,6 +45,7 @@ MARK = "# rewritten by epserve/deploy/haproxy_edge.py"
 ERROR_CODES = (400, 403, 408, 500, 502, 503, 504)
 _LOOPBACK_SECTIONS = ("frontend prometheus", "listen stats")
 _BIND = re.compile(r"^(\s*bind\s+)(?:\*|0\.0\.0\.0|\[?::\]?)?:(\d+)(.*)$")
+_HOST_PORT = re.compile(r"^(\s*bind\s+)\S*:(\d+)(\s.*)?$")
 _NOT_FOUND = re.compile(r"^\s*http-request return status 404 ")
 _PR_SET_PDEATHSIG = 1
 
@@ -58,9 +62,16 @@ def _sections(lines: list[str]) -> dict[str, tuple[int, int]]:
             for k, (i, name) in enumerate(heads)}
 
 
+def frontend_address(host: str) -> str:
+    """What HAProxy's ``bind`` takes for ``--host`` (Serve's own mapping: every interface is
+    ``*``)."""
+    return "*" if host in ("0.0.0.0", "::", "") else host
+
+
 def edge_config(text: str, header_timeout_ms: int, body_timeout_ms: int,
-                error_dir: str) -> str:
-    """Serve's config with epserve's edge settings (see the module's docstring)."""
+                error_dir: str, frontend_host: str | None = None) -> str:
+    """Serve's config with epserve's edge settings (see the module's docstring);
+    ``frontend_host``: the address the HTTP frontend binds instead of Serve's (None: Serve's)."""
     if MARK in text:
         return text
     lines = text.splitlines()
@@ -90,6 +101,13 @@ def edge_config(text: str, header_timeout_ms: int, body_timeout_ms: int,
     binds = [i for i in range(start, end) if out[i].strip().startswith("bind ")]
     if not binds or start < sections["defaults"][0]:
         raise ShapeError("'frontend http_frontend' has no 'bind' line, or precedes 'defaults'")
+    if frontend_host is not None:  # in place, before the insertion below
+        m = _HOST_PORT.match(out[binds[0]]) if len(binds) == 1 else None
+        if m is None:
+            raise ShapeError("'frontend http_frontend' does not have exactly one "
+                             "'bind HOST:PORT' line")
+        out[binds[0]] = (f"{m.group(1)}{frontend_address(frontend_host)}:{m.group(2)}"
+                         f"{m.group(3) or ''}")
     out[binds[-1] + 1:binds[-1] + 1] = [
         f"    http-request wait-for-body time {int(body_timeout_ms)}ms",
         "    http-response set-header connection close if { status 408 }"]
@@ -107,14 +125,15 @@ def edge_config(text: str, header_timeout_ms: int, body_timeout_ms: int,
 
 
 def rewrite_in_place(path: str, header_timeout_ms: int, body_timeout_ms: int,
-                     error_dir: str) -> None:
+                     error_dir: str, frontend_host: str | None = None) -> None:
     """``edge_config`` on the file at ``path``, under the lock Serve writes it with."""
     with open(path + ".lock", "w") as lock:
         fcntl.flock(lock.fileno(), fcntl.LOCK_EX)
         try:
             with open(path) as f:
                 text = f.read()
-            new = edge_config(text, header_timeout_ms, body_timeout_ms, error_dir)
+            new = edge_config(text, header_timeout_ms, body_timeout_ms, error_dir,
+                              frontend_host)
             if new != text:
                 tmp = f"{path}.epserve.{os.getpid()}"
                 with open(tmp, "w") as f:
@@ -137,20 +156,21 @@ def _die_with_parent(parent: int) -> None:
 
 
 def main(argv: list[str]) -> int:
-    """``haproxy_edge.py REAL_BINARY HEADER_MS BODY_MS ERROR_DIR -- HAPROXY_ARGS...``"""
+    """``haproxy_edge.py REAL_BINARY HEADER_MS BODY_MS ERROR_DIR FRONTEND_HOST --
+    HAPROXY_ARGS...``"""
     try:
-        real, header_ms, body_ms, error_dir, sep, *args = argv
+        real, header_ms, body_ms, error_dir, host, sep, *args = argv
         if sep != "--":
             raise ValueError
         timeouts = int(header_ms), int(body_ms)
     except ValueError:
-        print("usage: haproxy_edge.py REAL_BINARY HEADER_MS BODY_MS ERROR_DIR -- ARGS...",
-              file=sys.stderr)
+        print("usage: haproxy_edge.py REAL_BINARY HEADER_MS BODY_MS ERROR_DIR FRONTEND_HOST -- "
+              "ARGS...", file=sys.stderr)
         return 2
     parent = os.getppid()
     if "-f" in args[:-1]:
         try:
-            rewrite_in_place(args[args.index("-f") + 1], *timeouts, error_dir)
+            rewrite_in_place(args[args.index("-f") + 1], *timeouts, error_dir, host)
         except (OSError, ShapeError) as exc:
             print(f"epserve: the HAProxy config Ray Serve wrote is not the one epserve's edge "
                   f"was written for (Ray 2.60): {exc}", file=sys.stderr)

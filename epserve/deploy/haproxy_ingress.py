@@ -26,8 +26,10 @@ it starts (its processes inherit them):
 
 The replicas' own HTTP servers get ``proxy_edge`` as Serve's proxy does (the controller's
 environment): Serve's own text errors there come out as OpenAI JSON. They, and Serve's
-fallback proxy, listen on the HTTP host (Serve binds them there), each on a port of its own:
-with ``--host 0.0.0.0`` they are reachable beside HAProxy (behind the same key).
+fallback proxy, listen on the host Serve is started with, each on a port of its own: Serve is
+started on 127.0.0.1 and HAProxy's frontend bind rewritten to ``--host``
+(``frontend_host``), so with ``--host 0.0.0.0`` HAProxy alone faces the network (the cluster
+is one node: HAProxy reaches its replicas on loopback).
 
 What HAProxy 2.8 answers differently from the Python proxy (its HTTP/1 layer writes its own
 built-in answers for requests it cannot parse, before any error file applies): a request
@@ -129,8 +131,10 @@ class HaproxyIngress:
     """The environment and files of Serve's HAProxy ingress for one local cluster: entered
     before the cluster starts, exited after it is shut down."""
 
-    def __init__(self, binary: str, header_read_timeout_s: float, body_read_timeout_s: float):
+    def __init__(self, binary: str, header_read_timeout_s: float, body_read_timeout_s: float,
+                 frontend_host: str = "127.0.0.1"):
         self.binary = binary
+        self.frontend_host = frontend_host  # HAProxy's bind; Serve itself starts on loopback
         self.header_timeout_ms = max(1, round(header_read_timeout_s * 1000))
         self.body_timeout_s = body_read_timeout_s
         self.client_timeout_s = math.ceil(body_read_timeout_s) + CLIENT_MARGIN_S
@@ -164,7 +168,8 @@ class HaproxyIngress:
         # -I -S: the standard library only, nothing of the environment's Python settings
         script.write_text(f'#!/bin/sh\nexec "{sys.executable}" -I -S "{haproxy_edge.__file__}" '
                           f'"{self.binary}" {self.header_timeout_ms} '
-                          f'{max(1, round(self.body_timeout_s * 1000))} "{errors}" -- "$@"\n')
+                          f'{max(1, round(self.body_timeout_s * 1000))} "{errors}" '
+                          f'"{self.frontend_host}" -- "$@"\n')
         script.chmod(0o700)
 
     def _error_file(self, status: int) -> bytes:

@@ -108,7 +108,9 @@ def serve_main(args: argparse.Namespace) -> int:
     controller_options(header_timeout_s)  # a bad deadline refused now, likewise
     joined = bool(os.environ.get("RAY_ADDRESS")) or ray.is_initialized()
     ingress = _ingress(getattr(args, "ingress", "proxy"), header_timeout_s,
-                       cfg.body_read_timeout_s, joined)
+                       cfg.body_read_timeout_s, joined, args.host)
+    # behind HAProxy, Serve's own listeners (the replicas', its fallback proxy) stay on loopback
+    serve_host = args.host if isinstance(ingress, contextlib.nullcontext) else "127.0.0.1"
     if not joined:
         _check_port_free(args.host, args.port)
     with ingress:  # HAProxy's environment, before the cluster starts; its files after
@@ -117,7 +119,7 @@ def serve_main(args: argparse.Namespace) -> int:
             _say(f"loading {cfg.engine.model or 'the built-in demo model (random weights)'} ...")
             loaded = launch_head(cfg.engine_args(), cfg.head_name)  # it loads meanwhile
             # the proxy's own errors as OpenAI JSON, and a deadline on request heads
-            serve_start({"host": args.host, "port": args.port}, header_timeout_s)
+            serve_start({"host": serve_host, "port": args.port}, header_timeout_s)
             loaded()  # the engine's load error, if any, is this command's
             try:
                 serve.run(build_app(cfg), name=APP_NAME, route_prefix="/", blocking=False)
@@ -138,9 +140,11 @@ def serve_main(args: argparse.Namespace) -> int:
     return 0
 
 
-def _ingress(kind: str, header_timeout_s: float, body_timeout_s: float, joined: bool) -> Any:
+def _ingress(kind: str, header_timeout_s: float, body_timeout_s: float, joined: bool,
+             host: str = "127.0.0.1") -> Any:
     """The context the cluster runs in for ``--ingress``: nothing for Serve's Python proxy,
-    ``HaproxyIngress`` for HAProxy (ValueError now when it cannot run)."""
+    ``HaproxyIngress`` for HAProxy, its frontend on ``host`` (ValueError now when it cannot
+    run)."""
     if kind == "proxy":
         if not joined and os.environ.get("RAY_SERVE_ENABLE_HA_PROXY") == "1":
             raise ValueError("RAY_SERVE_ENABLE_HA_PROXY=1 is set, but the ingress is Serve's "
@@ -155,7 +159,7 @@ def _ingress(kind: str, header_timeout_s: float, body_timeout_s: float, joined: 
                          "nodes, or use --ingress proxy")
     from epserve.deploy.haproxy_ingress import HaproxyIngress, check
 
-    return HaproxyIngress(check(), header_timeout_s, body_timeout_s)
+    return HaproxyIngress(check(), header_timeout_s, body_timeout_s, frontend_host=host)
 
 
 def _shutdown(serve: Any, joined: bool, cfg: AppConfig, stop_head: Any) -> None:

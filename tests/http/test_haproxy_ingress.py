@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import socket
 import subprocess
 from concurrent.futures import ThreadPoolExecutor
@@ -80,6 +81,29 @@ def test_serves_config_through_the_script_is_valid_and_has_the_edge(edge_files, 
         assert _openai_error(status, body)
     # idempotent: a second start on the same file leaves it as it is
     assert haproxy_edge.edge_config(text, 1, 1, "/x") == text
+
+
+@pytest.mark.parametrize("host,bind", [("0.0.0.0", "*"), ("10.1.2.3", "10.1.2.3"),
+                                       ("127.0.0.1", "127.0.0.1")])
+def test_haproxy_alone_takes_the_users_host(tmp_path, host, bind):
+    """Serve starts on loopback (its replicas' and fallback proxy's listeners stay there) and
+    the script binds HAProxy's HTTP frontend on ``--host``; stats and exporter stay on
+    loopback. Checked by the real HAProxy (``-c``: parsed, nothing bound)."""
+    ing = HaproxyIngress(check(), DEADLINE_S, DEADLINE_S, frontend_host=host)
+    ing.dir = tmp_path / "hap"
+    ing.dir.mkdir()
+    ing.write_files()
+    path = _ray_config(tmp_path)
+    frontend = path.read_text().split("frontend http_frontend")[1]
+    port = re.search(r"bind 127\.0\.0\.1:(\d+)\n", frontend)
+    run = subprocess.run([str(ing.dir / "haproxy"), "-c", "-q", "-f", str(path)],
+                         capture_output=True, text=True, timeout=60)
+    assert run.returncode == 0, run.stderr
+    binds = [line.split()[1] for line in path.read_text().splitlines()
+             if line.strip().startswith("bind ")]
+    assert f"{bind}:{port.group(1)}" in binds
+    assert [b for b in binds if not b.startswith("127.0.0.1:")] == \
+        ([] if bind == "127.0.0.1" else [f"{bind}:{port.group(1)}"])
 
 
 def test_another_config_shape_is_refused_loudly(edge_files, tmp_path):
