@@ -9,7 +9,8 @@ changes: a CUDA graph of ``--pairs`` (norm -> GEMV) pairs, the norm our ``rms_no
 the GEMV a bench-local copy of ``kernels/triton/linear.py``'s that loads ``PRE`` tiles of each
 weight row before its wait, graph-timed, for: PDL off; PDL on (production's order); PDL on with
 one tile (``BLOCK_K`` wide) loaded ahead; PDL on with the whole row loaded ahead (``BLOCK_K =
-K``). Prints a table last.
+K``). Then the LM head at one row: cuBLAS (``nn.Linear``) against our GEMV, which it does not
+use today. Prints a table last.
 
     python bench/pdl_prefetch.py [--shapes 12288x2048 2048x4096] [--pairs 40]
 """
@@ -82,10 +83,12 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--shapes", nargs="+", default=["12288x2048", "2048x4096", "1024x2048"],
                     help="N x K of the GEMVs (in_proj-, out_proj- and expert-sized)")
     ap.add_argument("--pairs", type=int, default=40, help="norm -> GEMV pairs a graph")
+    ap.add_argument("--lm-heads", type=int, nargs="*", default=[151936, 248320],
+                    help="vocab sizes of the LM-head comparison (Qwen3, Qwen3.5)")
     args = ap.parse_args(argv)
     from epserve.kernels.linear import linear_ref
     from epserve.kernels.triton import pdl as pdl_mod
-    from epserve.kernels.triton.linear import default_gemv_tiles
+    from epserve.kernels.triton.linear import default_gemv_tiles, linear_gemv_triton
     from epserve.kernels.triton.norm import rms_norm_triton
 
     rows = []
@@ -118,6 +121,20 @@ def main(argv: list[str] | None = None) -> int:
             rows.append((spec, name, graph_us(chain) / args.pairs, err))
     os.environ.pop("EPSERVE_PDL", None)
     pdl_mod.pdl_device.cache_clear()
+    heads = []  # the LM head: cuBLAS (what nn.Linear runs) against our one-row GEMV
+    for v in args.lm_heads:
+        w = torch.randn(v, 2048, device="cuda", dtype=torch.bfloat16) * 2048 ** -0.5
+        x = torch.randn(1, 2048, device="cuda", dtype=torch.bfloat16)
+        cublas = graph_us(lambda: torch.nn.functional.linear(x, w), iters=20)
+        ours = graph_us(lambda: linear_gemv_triton(x, w), iters=20)
+        err = (linear_gemv_triton(x, w).float() - linear_ref(x, w).float()).abs().max().item()
+        heads.append((v, cublas, ours, w.numel() * 2 / 1e3, err))
+    print(f"\n{torch.cuda.get_device_name()}: the LM head at one row ([1, 2048] x [V, 2048] bf16)")
+    print("| V | cuBLAS us (TB/s) | our GEMV us (TB/s) | max abs error |")
+    print("|---:|---:|---:|---:|")
+    for v, cb, ours, kb, err in heads:
+        print(f"| {v} | {cb:.1f} ({kb / cb / 1e3:.2f}) | {ours:.1f} ({kb / ours / 1e3:.2f}) "
+              f"| {err:.1e} |")
     print(f"\n{torch.cuda.get_device_name()}: us per (norm -> GEMV) pair, graph of {args.pairs}")
     print("| N x K | variant | us per pair | max abs error vs reference |")
     print("|---|---|---:|---:|")
