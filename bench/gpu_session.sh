@@ -5,13 +5,13 @@
 #
 #   bash bench/gpu_session.sh prep      # here, once per checkout: the wheels the device lacks
 #   # then, on the device (run with carry [".whl"]), one stage per call:
-#   bash bench/gpu_session.sh bars      # the open bars in one call (~8 min on a fresh H200,
-#                                       # session 18's timings), each command bounded: hybrid
+#   bash bench/gpu_session.sh bars      # the open bars in one call (~4 min on a fresh H200,
+#                                       # session 19: 190 s), each command bounded: hybrid
 #                                       # batch-1 decode, MTP cost, qwen3 decode, short workload,
 #                                       # then bench/pdl_prefetch.py (an experiment)
 #   bash bench/gpu_session.sh pdl       # decode with programmatic dependent launch off / on
-#   bash bench/gpu_session.sh tests     # tests/gpu: this session's (hybrids, spec, masks)
-#   bash bench/gpu_session.sh tests-rest # tests/gpu: the others (regressions)
+#   bash bench/gpu_session.sh tests     # tests/gpu, hybrids, graphs, warm-up, speculation
+#   bash bench/gpu_session.sh tests-rest # tests/gpu: the others (the two: ~9 min, session 19)
 #   bash bench/gpu_session.sh qwen3     # no regression: decode_latency + throughput short
 #   bash bench/gpu_session.sh host      # the short workload's host work outside the forwards,
 #                                       # profiled (cProfile inflates it: not a throughput figure)
