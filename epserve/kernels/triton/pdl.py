@@ -40,9 +40,11 @@ _ON = {"PDL": True, "launch_pdl": True}
 
 @functools.cache
 def pdl_device() -> bool:
-    """Whether this process's kernels launch with PDL: a CUDA device of compute capability 9
-    or more (the current one when first asked) and ``EPSERVE_PDL`` not ``0``."""
-    if os.environ.get("EPSERVE_PDL", "1") == "0" or not torch.cuda.is_available():
+    """Whether this process's kernels launch with PDL: an NVIDIA device of compute capability 9
+    or more (the current one when first asked) and ``EPSERVE_PDL`` not ``0``. (Triton's
+    ``launch_pdl`` and ``gdc_wait``: triton 3.3 and later, the floor in pyproject.toml.)"""
+    if os.environ.get("EPSERVE_PDL", "1") == "0" or not torch.cuda.is_available() \
+            or torch.version.hip is not None:  # (ROCm reports its own capability numbers)
         return False
     return torch.cuda.get_device_capability()[0] >= 9
 
