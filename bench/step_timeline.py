@@ -55,7 +55,7 @@ def steps_of(ops: list[dict]) -> list[list[dict]]:
     steps, cur = [], []
     for e in ops:
         cur.append(e)
-        if e.get("cat") == "gpu_memcpy" and "DtoH" in e["name"].replace("Device -> Host", "DtoH"):
+        if e.get("cat") == "gpu_memcpy" and "DtoH" in e["name"]:  # "Memcpy DtoH (...)"
             steps.append(cur)
             cur = []
     return steps

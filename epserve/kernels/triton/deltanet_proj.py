@@ -11,7 +11,8 @@ belongs to one program, but its value is replicated across that program's thread
 GEMV's reduced layout), so the window is read whole, then moved, with a barrier between
 every read and the store that overwrites it (without them fp32's tiles read moved columns).
 
-It stores what the two launches it replaces store, but for the order of float32 sums. CUDA-graph capturable (slots and the fresh flag read on the device).
+It stores what the two launches it replaces store, but for the order of float32 sums.
+CUDA-graph capturable (slots and the fresh flag read on the device).
 Importing this module imports triton; kernels decorated while ``TRITON_INTERPRET=1`` is set
 run in the interpreter.
 """
