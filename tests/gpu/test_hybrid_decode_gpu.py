@@ -135,7 +135,9 @@ def _kernels(fn) -> list[str]:
             and not e.name.startswith(("Memcpy", "Memset"))]
 
 
-@pytest.mark.parametrize("kind,per_layer", [("linear_attention", 3), ("full_attention", 3)])
+# A DeltaNet mixer: in_proj + conv, the recurrence, the gated norm, out_proj (the gated norm is
+# not fused into out_proj: under programmatic dependent launch the fused kernel lost, 05564f9).
+@pytest.mark.parametrize("kind,per_layer", [("linear_attention", 4), ("full_attention", 3)])
 def test_decode_launches_per_layer(kind, per_layer):
     cfg = _cfg(layers=(kind, kind))
     layers = _layers(cfg)
