@@ -140,8 +140,17 @@ async def connect(config: AppConfig) -> tuple[OpenAIServing, Gate]:
 # graceful_shutdown_wait_loop_s: a stopping replica sleeps this long before it first counts its
 # requests in flight (Serve's default 2 s, even with none), so Ctrl-C of `epserve serve` and
 # `serve run` waited 2 s more than needed; in-flight requests are still drained (up to
-# graceful_shutdown_timeout_s, Serve's default 20 s), counted every 0.5 s
-@serve.deployment(name="OpenAIIngress", ray_actor_options={"num_cpus": 0},
+# graceful_shutdown_timeout_s, Serve's default 20 s), counted every 0.5 s.
+# The routes run on the replica's own event loop (USER_CODE_ENV, as Serve's
+# RAY_SERVE_THROUGHPUT_OPTIMIZED sets it), not on a second loop in a thread of their own: every
+# streamed chunk otherwise crosses threads to reach the replica's HTTP server (behind HAProxy,
+# 93-95 -> 72-73 us of replica CPU a chunk, bench/RESULTS.md session 20). Nothing in them
+# blocks: the engine is another actor, reached by awaited calls.
+USER_CODE_ENV = {"RAY_SERVE_RUN_USER_CODE_IN_SEPARATE_THREAD": "0"}
+
+
+@serve.deployment(name="OpenAIIngress",
+                  ray_actor_options={"num_cpus": 0, "runtime_env": {"env_vars": USER_CODE_ENV}},
                   health_check_period_s=10, health_check_timeout_s=30,
                   graceful_shutdown_wait_loop_s=0.5)
 @serve.ingress()
