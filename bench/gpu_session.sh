@@ -26,13 +26,15 @@
 #                                       # the head's log lines land in $OUT too)
 #   bash bench/gpu_session.sh serve     # the same with Serve's Python proxy (--ingress proxy)
 #   bash bench/gpu_session.sh serve-wide     # HAProxy and 4 ingress replicas
+#   bash bench/gpu_session.sh serve-replicas # c=256 streams behind HAProxy with 1, 2 and 4
+#                                       # ingress replicas (offline once, with the first)
 #   bash bench/gpu_session.sh serve-profile  # c=256 streams of 1024 prompts, py-spy on the
 #                                       # head and the ingress for 8 s in the middle
 #
 # Each stage tees its log to $OUT (it comes back even when a stage runs out of time); record
 # the figures in bench/RESULTS.md with the date and the exact command.
 set -o pipefail
-stage=${1:?stage: prep, bars, pdl, tests, tests-rest, qwen3, host, hybrid, hybrid-short, mtp, serve, serve-haproxy, serve-wide or serve-profile}
+stage=${1:?stage: prep, bars, pdl, tests, tests-rest, qwen3, host, hybrid, hybrid-short, mtp, serve, serve-haproxy, serve-wide, serve-replicas or serve-profile}
 log=${OUT:-/tmp}/$stage.log
 
 if [ "$stage" = prep ]; then
@@ -135,6 +137,14 @@ case "$stage" in
       python bench/serve.py --model-shape qwen3-30b-a3b --max-num-batched-tokens 8192 \
         --num-prompts 32 --max-concurrency 32 --mode stream nonstream --ingress $ingress \
         $wide; } 2>&1 | tee "$log"
+    cp /tmp/epserve-serve-*.log "${OUT:-/tmp}/" 2>/dev/null ;;
+  serve-replicas)  # does a second ingress replica take the chunk load (~9,500 chunks/s)?
+    for n in 1 2 4; do
+      skip=""; [ $n != 1 ] && skip="--skip-offline"
+      timeout 170 python bench/serve.py --model-shape qwen3-30b-a3b \
+        --max-num-batched-tokens 8192 --max-concurrency 256 256 --mode stream \
+        --api-server-count $n $skip
+    done 2>&1 | tee "$log"
     cp /tmp/epserve-serve-*.log "${OUT:-/tmp}/" 2>/dev/null ;;
   serve-profile)  # where the head's threads spend the time between steps (issue 19)
     python bench/serve.py --model-shape qwen3-30b-a3b --max-num-batched-tokens 8192 \
