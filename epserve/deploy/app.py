@@ -144,7 +144,7 @@ async def connect(config: AppConfig) -> tuple[OpenAIServing, Gate]:
 # The routes run on the replica's own event loop (USER_CODE_ENV, as Serve's
 # RAY_SERVE_THROUGHPUT_OPTIMIZED sets it), not on a second loop in a thread of their own: every
 # streamed chunk otherwise crosses threads to reach the replica's HTTP server (behind HAProxy,
-# 93-95 -> 72-73 us of replica CPU a chunk, bench/RESULTS.md session 20). Nothing in them
+# 93-95 -> 75 us of replica CPU a chunk, bench/RESULTS.md session 20). Nothing in them
 # blocks: the engine is another actor, reached by awaited calls.
 USER_CODE_ENV = {"RAY_SERVE_RUN_USER_CODE_IN_SEPARATE_THREAD": "0"}
 

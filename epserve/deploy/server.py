@@ -148,8 +148,10 @@ def _ingress(kind: str, header_timeout_s: float, body_timeout_s: float, joined: 
     """The context the cluster runs in for ``--ingress``: nothing for Serve's Python proxy,
     ``HaproxyIngress`` for HAProxy, its frontend on ``host`` (ValueError now when it cannot
     run); ``auto``: HAProxy where it can run on a cluster of this command, else the proxy."""
+    binary = None
     if kind == "auto":
-        kind = _auto_ingress(joined)
+        binary = _auto_haproxy(joined)
+        kind = "proxy" if binary is None else "haproxy"
     if kind == "proxy":
         if not joined and os.environ.get("RAY_SERVE_ENABLE_HA_PROXY") == "1":
             raise ValueError("RAY_SERVE_ENABLE_HA_PROXY=1 is set, but the ingress is Serve's "
@@ -164,23 +166,23 @@ def _ingress(kind: str, header_timeout_s: float, body_timeout_s: float, joined: 
                          "nodes, or use --ingress proxy")
     from epserve.deploy.haproxy_ingress import HaproxyIngress, check
 
-    return HaproxyIngress(check(), header_timeout_s, body_timeout_s, frontend_host=host)
+    return HaproxyIngress(binary or check(), header_timeout_s, body_timeout_s,
+                          frontend_host=host)
 
 
-def _auto_ingress(joined: bool) -> str:
-    """``--ingress auto``'s choice: ``haproxy`` where this command starts the cluster and
-    HAProxy's binary runs, else ``proxy`` (on a cluster it joined, the nodes' own settings
+def _auto_haproxy(joined: bool) -> str | None:
+    """``--ingress auto``'s choice: HAProxy's binary where this command starts the cluster and
+    that binary runs, else None, the proxy (on a cluster it joined, the nodes' own settings
     decide; where HAProxy cannot run, one line says why)."""
     if joined:
-        return "proxy"
+        return None
     from epserve.deploy.haproxy_ingress import check
 
     try:
-        check()
+        return check()
     except ValueError as exc:
         _say(f"HAProxy cannot take HTTP here ({exc}); Serve's Python proxy does")
-        return "proxy"
-    return "haproxy"
+        return None
 
 
 def _shutdown(serve: Any, joined: bool, cfg: AppConfig, stop_head: Any) -> None:
