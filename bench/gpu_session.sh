@@ -26,15 +26,18 @@
 #                                       # the head's log lines land in $OUT too)
 #   bash bench/gpu_session.sh serve     # the same with Serve's Python proxy (--ingress proxy)
 #   bash bench/gpu_session.sh serve-wide     # HAProxy and 4 ingress replicas
-#   bash bench/gpu_session.sh serve-replicas # c=256 streams behind HAProxy with 1, 2 and 4
-#                                       # ingress replicas (offline once, with the first)
+#   bash bench/gpu_session.sh serve-replicas ["1 2"] # c=256 streams behind HAProxy with 1, 2
+#                                       # and 4 ingress replicas (or the counts given; offline
+#                                       # once, with the first)
 #   bash bench/gpu_session.sh serve-profile  # c=256 streams of 1024 prompts, py-spy on the
 #                                       # head and the ingress for 8 s in the middle
+#   bash bench/gpu_session.sh serve-decode   # the same for 256 streams of 256 -> 1024 (pure
+#                                       # decode in the middle), with the offline run
 #
 # Each stage tees its log to $OUT (it comes back even when a stage runs out of time); record
 # the figures in bench/RESULTS.md with the date and the exact command.
 set -o pipefail
-stage=${1:?stage: prep, bars, pdl, tests, tests-rest, qwen3, host, hybrid, hybrid-short, mtp, serve, serve-haproxy, serve-wide, serve-replicas or serve-profile}
+stage=${1:?stage: prep, bars, pdl, tests, tests-rest, qwen3, host, hybrid, hybrid-short, mtp, serve, serve-haproxy, serve-wide, serve-replicas, serve-profile or serve-decode}
 log=${OUT:-/tmp}/$stage.log
 
 if [ "$stage" = prep ]; then
@@ -139,19 +142,23 @@ case "$stage" in
         $wide; } 2>&1 | tee "$log"
     cp /tmp/epserve-serve-*.log "${OUT:-/tmp}/" 2>/dev/null ;;
   serve-replicas)  # does a second ingress replica take the chunk load (~9,500 chunks/s)?
-    for n in 1 2 4; do
+    for n in ${2:-1 2 4}; do
       skip=""; [ $n != 1 ] && skip="--skip-offline"
       timeout 170 python bench/serve.py --model-shape qwen3-30b-a3b \
         --max-num-batched-tokens 8192 --max-concurrency 256 256 --mode stream \
         --api-server-count $n $skip
     done 2>&1 | tee "$log"
     cp /tmp/epserve-serve-*.log "${OUT:-/tmp}/" 2>/dev/null ;;
-  serve-profile)  # where the head's threads spend the time between steps (issue 19)
-    python bench/serve.py --model-shape qwen3-30b-a3b --max-num-batched-tokens 8192 \
-      --num-prompts 1024 --max-concurrency 256 --mode stream --skip-offline > "$log" 2>&1 &
+  serve-profile|serve-decode)  # where the head's threads spend a step's time (issue 19);
+    # serve-decode: 256 streams of 256 -> 1024 and the offline run of the same: the head's 5-s
+    # lines in the middle are pure decode steps at 256 rows, beside the offline mean step
+    work="--num-prompts 1024 --skip-offline"; wait_s=6
+    [ "$stage" = serve-decode ] && work="--num-prompts 256 --output-len 1024" && wait_s=12
+    python bench/serve.py --model-shape qwen3-30b-a3b --max-num-batched-tokens 8192 $work \
+      --max-concurrency 256 --mode stream > "$log" 2>&1 &
     bench=$!
     until grep -q "healthy after" "$log" || ! kill -0 $bench 2>/dev/null; do sleep 1; done
-    sleep 6  # the warm-up request, then into the steady run
+    sleep $wait_s  # the warm-up request, then into the steady run
     for who in HeadActor ServeReplica; do
       /tmp/site/bin/py-spy record --pid "$(pgrep -f "ray::$who" | head -1)" --threads -r 200 \
         -d 8 -f raw -o "${OUT:-/tmp}/$who.raw" >/dev/null 2>&1 &

@@ -13,7 +13,12 @@ shifted by 8 experts, replayed in turn): in the model each layer's experts are c
 layers between stream ~100 MB through it), and one routing replayed again and again would read
 part of its 75 MB from the 50 MB L2 instead (session 3's T=1 figure, 28 us, was that).
 
-    python bench/moe_tiles.py [--tokens 1 256 8192] [--wide] [--gemm 1 2]
+    python bench/moe_tiles.py [--tokens 1 256 8192] [--wide] [--gemm 1 2] [--rounds 2] [--parts]
+
+``--rounds 2`` runs the coordinate search twice (block_m again after the GEMMs' tiles moved);
+``--parts`` prints, for the best tiles at each T, the GPU time of each kernel of one call (the
+layout's torch ops, GEMM 1, GEMM 2, the combine) from the torch profiler, with each GEMM's
+TFLOP/s: which part a faster MoE must come from.
 """
 
 from __future__ import annotations
@@ -63,12 +68,43 @@ def time_ms(fn, graph: bool, iters: int = 20) -> float:
     return _events_ms(g.replay, iters)
 
 
+def parts(call, flop1: int, flop2: int) -> str:
+    """GPU ms of each kernel of one ``call`` (profiled, median of 5 calls), in launch order; the
+    two GEMM launches with their TFLOP/s (``flop1``, ``flop2``)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    call()
+    torch.cuda.synchronize()
+    per_call: list[list[tuple[str, float]]] = []
+    for _ in range(5):
+        with profile(activities=[ProfilerActivity.CUDA]) as prof:
+            call()
+            torch.cuda.synchronize()
+        evs = sorted((e for e in prof.events() if e.device_type.name == "CUDA"),
+                     key=lambda e: e.time_range.start)
+        per_call.append([(e.name, e.time_range.elapsed_us() / 1e3) for e in evs])
+    n = min(len(c) for c in per_call)
+    out, gemm = [], 0
+    for i in range(n):
+        name = per_call[0][i][0]
+        ms = sorted(c[i][1] for c in per_call)[2]
+        label = name.split("(")[0][:40]
+        if "_moe_gemm_kernel" in name:
+            gemm += 1
+            flop = flop1 if gemm == 1 else flop2
+            label = f"GEMM {gemm} {ms:.4f} ms ({flop / ms / 1e9:.0f} TFLOP/s)"
+            out.append(label)
+        else:
+            out.append(f"{label} {ms:.4f}")
+    return "; ".join(out)
+
+
 def gemm_space(t: int, wide: bool) -> list[tuple[int, int, int, int]]:
     """(n, k, warps, stages) candidates for one GEMM at T tokens (``wide``: a larger grid)."""
     if t <= 16:  # weight streaming: narrow tiles, deep K
         ns, ks, stages = (16, 32, 64), (128, 256), (3, 4, 6)
     elif t <= 256:
-        ns, ks, stages = (64, 128, 256), (64, 128), (2, 4)
+        ns, ks, stages = (64, 128, 256), (64, 128), (2, 3, 4)
     else:
         ns, ks, stages = (64, 128, 256), (32, 64), (3, 4)
     if wide:
@@ -82,6 +118,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--wide", action="store_true", help="search more candidates per GEMM")
     ap.add_argument("--gemm", nargs="+", default=["1", "2"], choices=["1", "2"],
                     help="which GEMMs' tiles to search")
+    ap.add_argument("--rounds", type=int, default=1, help="coordinate-search passes")
+    ap.add_argument("--parts", action="store_true",
+                    help="per-kernel GPU time of one call with the best tiles (profiler)")
     args = ap.parse_args(argv)
     g = torch.Generator(device="cuda").manual_seed(0)
     w13 = (torch.randn(E, 2 * I, H, device="cuda", generator=g) / H ** 0.5).bfloat16()
@@ -114,18 +153,23 @@ def main(argv: list[str] | None = None) -> int:
         best = base
         tried = 1
         bms = (16, 32, 64) if t <= 256 else (64, 128)
-        for bm in bms:  # coordinate 1: block_m
-            cand = replace(best, block_m=bm)
-            ms, tried = timed(cand), tried + 1
-            if ms < best_ms:
-                best, best_ms = cand, ms
-        for gemm in args.gemm:  # coordinates 2 and 3: each GEMM's tile and launch shape
-            for n, k, w, s in gemm_space(t, args.wide):
-                cand = replace(best, **{f"block_n{gemm}": n, f"block_k{gemm}": k,
-                                        f"warps{gemm}": w, f"stages{gemm}": s})
+        for _ in range(args.rounds):
+            for bm in bms:  # coordinate 1: block_m
+                cand = replace(best, block_m=bm)
                 ms, tried = timed(cand), tried + 1
                 if ms < best_ms:
                     best, best_ms = cand, ms
+            for gemm in args.gemm:  # coordinates 2 and 3: each GEMM's tile and launch shape
+                for n, k, w, s in gemm_space(t, args.wide):
+                    cand = replace(best, **{f"block_n{gemm}": n, f"block_k{gemm}": k,
+                                            f"warps{gemm}": w, f"stages{gemm}": s})
+                    ms, tried = timed(cand), tried + 1
+                    if ms < best_ms:
+                        best, best_ms = cand, ms
+        if args.parts:
+            print(f"T={t} parts ({best.describe()}): " + parts(
+                lambda: fused_moe_triton(x, w13, w2, routings[0], wts, tiles=best),
+                t * K * H * 2 * I * 2, t * K * I * H * 2), flush=True)
         rows.append((t, touched, graph, base, base_ms, best, best_ms, gbytes, tflop))
         print(f"T={t}: default {base_ms:.4f} ms ({base.describe()}), best {best_ms:.4f} ms "
               f"({best.describe()}), {tried} tried", flush=True)
