@@ -60,22 +60,37 @@ def _reject_constant(name: str) -> Any:
 
 
 def check_json(value: Any, max_depth: int = MAX_JSON_DEPTH) -> None:
-    """Walk a parsed body without recursion: bounded depth, valid Unicode strings."""
+    """Walk a parsed body without recursion: bounded depth, valid Unicode strings, finite
+    numbers. Members that need no check (ints, booleans, nulls) are not pushed: a container
+    whose members would lie deeper than ``max_depth`` is refused as it is reached, so a prompt
+    of token ids costs one type test an id, not a stack entry."""
     stack: list[tuple[Any, int]] = [(value, 1)]
     while stack:
         v, depth = stack.pop()
         if depth > max_depth:
-            raise bad_request(f"the JSON body is nested deeper than {max_depth} levels")
+            raise _too_deep(max_depth)
         if isinstance(v, str):
             _check_str(v)
         elif isinstance(v, float) and not math.isfinite(v):
             raise bad_request("the JSON body holds a number too large for a float")
         elif isinstance(v, dict):
+            if v and depth >= max_depth:
+                raise _too_deep(max_depth)
             for k, item in v.items():
                 _check_str(k)
-                stack.append((item, depth + 1))
+                if type(item) not in _PLAIN:
+                    stack.append((item, depth + 1))
         elif isinstance(v, list):
-            stack.extend((item, depth + 1) for item in v)
+            if v and depth >= max_depth:
+                raise _too_deep(max_depth)
+            stack.extend([(item, depth + 1) for item in v if type(item) not in _PLAIN])
+
+
+_PLAIN = (int, bool, type(None))  # JSON values a body check has nothing to look at in
+
+
+def _too_deep(max_depth: int) -> ApiError:
+    return bad_request(f"the JSON body is nested deeper than {max_depth} levels")
 
 
 def _check_str(s: str) -> None:
