@@ -5,7 +5,8 @@ process against a synthetic head: each ``poll`` is an engine step that gives eve
 one token (text decoded beforehand, so the head costs almost nothing). ``--requests`` streaming
 completions run at once; the process CPU time over the run divided by the SSE chunks they got
 is what one chunk costs this side: the channel's records applied, the delta, the chunk's JSON,
-the /metrics observations, the asyncio hand-offs. Prints a table last.
+the /metrics observations, the asyncio hand-offs; the heap built before the run is frozen out of
+the collector, as a replica's is. Prints a table last.
 
     python bench/ingress_chunk.py [--requests 256] [--output-len 64] [--endpoint completions]
 """
@@ -19,6 +20,7 @@ import time
 
 from transformers import AutoTokenizer
 
+from epserve.cluster.cpu_threads import freeze_heap
 from epserve.deploy.engine_client import EngineClient
 from epserve.deploy.metrics import ServerMetrics
 from epserve.deploy.serving import ModelInfo, OpenAIServing
@@ -77,6 +79,7 @@ async def run(requests: int, output_len: int, endpoint: str) -> dict[str, float]
                      limits=RequestLimits(), prefix_caching=True)
     serving = OpenAIServing(client, tok, info,
                             ServerMetrics("demo", {"enable_prefix_caching": "True"}, 4096))
+    freeze_heap()  # as a replica does once built (deploy/app.py)
     chunks = 0
 
     async def one(i: int) -> None:
@@ -105,7 +108,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--endpoint", choices=["completions", "chat"], default="completions")
     args = ap.parse_args(argv)
     r = asyncio.run(run(args.requests, args.output_len, args.endpoint))
-    print(f"\n| endpoint | requests | chunks | polls | CPU s | CPU per chunk (us) |")
+    print("\n| endpoint | requests | chunks | polls | CPU s | CPU per chunk (us) |")
     print("|---|---:|---:|---:|---:|---:|")
     print(f"| {args.endpoint} | {args.requests} | {r['chunks']} | {r['polls']} | "
           f"{r['cpu']:.2f} | {r['cpu'] / r['chunks'] * 1e6:.1f} |")
