@@ -59,6 +59,9 @@ def _reject_constant(name: str) -> Any:
     raise ValueError(f"{name} is not valid JSON")
 
 
+_PLAIN = (int, bool, type(None))  # JSON values a body check has nothing to look at in
+
+
 def check_json(value: Any, max_depth: int = MAX_JSON_DEPTH) -> None:
     """Walk a parsed body without recursion: bounded depth, valid Unicode strings, finite
     numbers. Members that need no check (ints, booleans, nulls) are not pushed: a container
@@ -84,9 +87,6 @@ def check_json(value: Any, max_depth: int = MAX_JSON_DEPTH) -> None:
             if v and depth >= max_depth:
                 raise _too_deep(max_depth)
             stack.extend([(item, depth + 1) for item in v if type(item) not in _PLAIN])
-
-
-_PLAIN = (int, bool, type(None))  # JSON values a body check has nothing to look at in
 
 
 def _too_deep(max_depth: int) -> ApiError:
