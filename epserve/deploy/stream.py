@@ -40,7 +40,10 @@ class Fanout:
         """(prompt index, cumulative output), first outputs first, until all are finished."""
         for i, out in enumerate(self.firsts):
             yield i, out
-        live = [i for i, out in enumerate(self.firsts) if not out.finished]
+        # Every stream is read to its end, even one whose first output now says finished: the
+        # output object grows in place, so "finished" may have arrived after the first was
+        # taken, and only the stream's own next step times the request's end (e2e metrics).
+        live = list(range(len(self._streams)))
         if len(live) == 1:  # one prompt (most requests): read it directly, no task and queue
             async for out in self._streams[live[0]]:
                 yield live[0], out
