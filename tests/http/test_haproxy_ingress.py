@@ -4,7 +4,9 @@ Offline: the config Ray 2.60's own template writes, through the script Serve run
 HAProxy binary, is one HAProxy accepts, with epserve's edge in it; another shape is refused
 loudly; a missing binary is refused before anything starts (``--ingress auto``, the default,
 then takes Serve's Python proxy, saying why). Live (one ``epserve serve
---ingress haproxy`` in a subprocess): it serves through HAProxy, every listener is on
+--ingress haproxy`` in a subprocess, as a user runs it in a terminal; it is also the test of
+``epserve serve`` itself: a checkpoint without tokenizer, what its terminal shows, a quiet
+Ctrl-C): it serves through HAProxy, every listener is on
 loopback, the edge answers as README says for this ingress (a stalled body: OpenAI's 408; a
 stalled head: a 408; a 60 KiB head served, a 70 KiB one or a request HAProxy cannot parse: a
 400; each such connection closed), and after Ctrl-C the port is free and no HAProxy of it is
@@ -19,14 +21,15 @@ import os
 import re
 import socket
 import subprocess
+import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
 import requests
-from serverkit import Server, free_port
+from serve_proc import HEAD_LINE, PERIODIC, log_every_s, start_serve, stop_serve
+from serverkit import Server, free_port, wait_for
 from test_edge_hardening import _openai_error, _raw, _split
-from test_serve_command import start_serve, stop_serve
 
 from epserve.deploy import haproxy_edge
 from epserve.deploy.haproxy_ingress import HaproxyIngress, check
@@ -170,6 +173,12 @@ def _edge_answers(server: Server) -> dict[str, tuple[bytes, float, bool]]:
 
 @pytest.mark.slow
 def test_epserve_serve_behind_haproxy(qwen3_ckpt, tmp_path):
+    """One `epserve serve` in a terminal over a checkpoint that ships no tokenizer, behind
+    HAProxy: it prints its URL, serves token-id prompts (streamed = not streamed) and refuses
+    text prompts with a clear 400; its terminal shows what vLLM's server shows while it serves
+    (the engine's line for each finished request and its periodic line: throughput, running,
+    waiting, KV cache usage; none of the Ray Serve actors' chatter); the edge answers as README
+    says; Ctrl-C removes everything and exits 0, quietly."""
     import ray  # noqa: F401  (puts Ray's vendored psutil on the path)
     import psutil
 
@@ -181,6 +190,7 @@ def test_epserve_serve_behind_haproxy(qwen3_ckpt, tmp_path):
                        "--max-num-seqs", "8", "--ingress", "haproxy",
                        "--header-read-timeout", str(DEADLINE_S),
                        "--body-read-timeout", str(DEADLINE_S))
+    up_at, err = time.monotonic(), tmp_path / "stderr.log"
     server = Server(f"http://127.0.0.1:{port}", "tiny", "")
     try:
         assert "HAProxy ingress" in (tmp_path / "stdout.log").read_text()
@@ -190,21 +200,50 @@ def test_epserve_serve_behind_haproxy(qwen3_ckpt, tmp_path):
         files = Path(haproxies[0].cmdline()[haproxies[0].cmdline().index("-f") + 1]).parents[1]
         req = {"model": "tiny", "prompt": [5, 6, 7], "max_tokens": 4, "temperature": 0,
                "return_token_ids": True}
-        r = requests.post(server.v1 + "/completions", json=req, timeout=60)
+        r = requests.post(server.v1 + "/completions", json={**req, "logprobs": 1}, timeout=60)
         assert r.status_code == 200, r.text
+        body = r.json()
+        assert body["usage"]["completion_tokens"] == 4
+        choice = body["choices"][0]
+        assert len(choice["logprobs"]["token_logprobs"]) == 4
+        assert len(choice["token_ids"]) == 4 and choice["prompt_token_ids"] == [5, 6, 7]
         r = requests.post(server.v1 + "/completions", json={**req, "stream": True},
                           stream=True, timeout=60)
         streamed = [t for line in r.iter_lines() if line.startswith(b"data: {")
                     for t in json.loads(line[6:])["choices"][0]["token_ids"]]
-        assert streamed == requests.post(server.v1 + "/completions", json=req,
-                                         timeout=60).json()["choices"][0]["token_ids"]
+        assert streamed == choice["token_ids"]
+        r = requests.post(server.v1 + "/completions", timeout=60, json={
+            "model": "tiny", "prompt": "text needs a tokenizer", "max_tokens": 4})
+        assert r.status_code == 400 and "no tokenizer" in r.json()["error"]["message"]
+        assert r.json()["error"]["param"] == "prompt"
+        r = requests.post(server.v1 + "/chat/completions", timeout=60, json={
+            "model": "tiny", "messages": [{"role": "user", "content": "hi"}]})
+        assert r.status_code == 400 and r.json()["error"]["param"] == "messages"
+        r = requests.post(server.v1 + "/completions", timeout=60, json={
+            "model": "tiny", "prompt": [[1, 2], [320]], "max_tokens": 2})
+        assert r.status_code == 400 and "not a token id" in r.json()["error"]["message"]
         listeners = cluster_listeners(proc.pid)
         assert any(p == port and n == "haproxy" for _, p, n in listeners), listeners
         assert sorted(s for s in listeners if s[0] not in LOOPBACK) == []
         got = _edge_answers(server)
+        # the periodic line comes with the first step once its interval has passed since the
+        # engine started (before the URL was printed); the lines show while it serves
+        time.sleep(max(0.0, log_every_s() - (time.monotonic() - up_at)))
+        r = requests.post(server.v1 + "/completions", timeout=60, json={
+            "model": "tiny", "prompt": [9, 8, 7, 6], "max_tokens": 4, "ignore_eos": True})
+        assert r.status_code == 200, r.text
+        finished = re.compile(  # the engine's id is the response's plus a suffix
+            HEAD_LINE + re.escape(f"request {r.json()['id']}-") + r"\d+ finished \(length\): "
+            r"prompt 4 tokens \(\d+ cached\), 4 generated in [\d.]+ s$", re.M)
+        assert wait_for(lambda: finished.search(err.read_text()) and
+                        PERIODIC.search(err.read_text()), timeout_s=20), err.read_text()[-3000:]
     finally:
         rc, said = stop_serve(proc, tmp_path)
     assert rc == 0 and "Traceback" not in said, said[-3000:]
+    # Ctrl-C ends quietly: no Ray task-failure noise; Ray Serve's actors (deployments,
+    # endpoints, an access line per request) stay in Ray's logs
+    assert "graceful_shutdown" not in said, said[-3000:]
+    assert not re.search(r"\((ServeController|ProxyActor|ServeReplica)", said), said[-3000:]
     # the edge, as README describes it for this ingress
     for what, (answer, took, closed) in got.items():
         status, headers, payload = _split(answer)
