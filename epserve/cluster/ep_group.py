@@ -9,6 +9,7 @@ within its timeout, never hangs.
 from __future__ import annotations
 
 import logging
+import socket
 import time
 from typing import Any
 
@@ -23,46 +24,68 @@ def bundle(device_type: str) -> dict[str, float]:
     return {"GPU": 1.0, "CPU": 1.0} if device_type == "cuda" else {"CPU": 0.01}
 
 
-class EpGroup:
-    """Brings up ranks 1..N-1 as EpWorker actors and rank 0 (the leader) in this process."""
+def free_port(addr: str) -> int:
+    """A TCP port free on ``addr`` now (the head hands it to every rank)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind((addr, 0))
+        return s.getsockname()[1]
 
-    def __init__(self, args: EngineArgs, placement_group: Any, init_timeout_s: float = 600.0):
+
+class EpGroup:
+    """Brings up ranks 1..N-1 as EpWorker actors and rank 0 (the leader) in this process.
+
+    In two steps, so that the ranks' processes load while this one does: ``EpGroup(args,
+    placement_group)`` starts the workers and their ``init`` and returns at once (it imports
+    no torch: call it before anything in this process does); ``join()`` then makes rank 0 here
+    and waits for the others (``leader`` is set by it)."""
+
+    def __init__(self, args: EngineArgs, placement_group: Any):
         import ray
         from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
         from epserve.models.config import ModelConfig
         from epserve.models.parallel import ParallelInfo
-        from epserve.worker.ep_comm import EpComm
-        from epserve.worker.ep_dist import free_port, join_ep_group
-        from epserve.worker.rank_executor import RankExecutor
-        from epserve.worker.channels import EpChannel
-        from epserve.worker.step_model import StepModel
-        from epserve.worker.runner import Runner, resolve_device
 
         n = args.ep_size
-        cfg = args.runner_config()
-        mc = ModelConfig.from_pretrained(cfg.model)
+        self.args, self.world_size, self.leader = args, n, None
+        mc = ModelConfig.from_pretrained(args.model)
         ParallelInfo(0, n).local_expert_range(mc.num_experts)  # refuses E % N != 0
-        device_type = resolve_device(cfg.device).type
-        addr = ray.util.get_node_ip_address()
-        port = free_port(addr)
+        self.num_experts = mc.num_experts
+        self.addr = ray.util.get_node_ip_address()
+        self.port = free_port(self.addr)
         actor = ray.remote(EpWorker)
+        # a rank takes a GPU where its bundle holds one (the driver sized the bundles by device)
         self.workers = [actor.options(
-            num_cpus=0, num_gpus=1 if device_type == "cuda" else 0, max_concurrency=4,
-            scheduling_strategy=PlacementGroupSchedulingStrategy(
+            num_cpus=0, num_gpus=1 if placement_group.bundle_specs[i].get("GPU") else 0,
+            max_concurrency=4, scheduling_strategy=PlacementGroupSchedulingStrategy(
                 placement_group, placement_group_bundle_index=i)).remote(args.to_dict(), i, n)
             for i in range(1, n)]
-        refs = [w.init.remote(addr, port) for w in self.workers]
-        group, cpu_group = join_ep_group(0, n, addr, port, device_type, args.ep_timeout_s)
-        comm = EpComm(0, n, mc.num_experts, group, cpu_group)
+        self._inits = [w.init.remote(self.addr, self.port) for w in self.workers]
+
+    def join(self, init_timeout_s: float = 600.0) -> None:
+        """Rank 0 joins the group and loads its shard here; returns once every rank has."""
+        import ray
+
+        from epserve.models.parallel import ParallelInfo
+        from epserve.worker.channels import EpChannel
+        from epserve.worker.ep_comm import EpComm
+        from epserve.worker.ep_dist import join_ep_group
+        from epserve.worker.rank_executor import RankExecutor
+        from epserve.worker.runner import Runner, resolve_device
+        from epserve.worker.step_model import StepModel
+
+        args, n = self.args, self.world_size
+        cfg = args.runner_config()
+        group, cpu_group = join_ep_group(0, n, self.addr, self.port,
+                                         resolve_device(cfg.device).type, args.ep_timeout_s)
+        comm = EpComm(0, n, self.num_experts, group, cpu_group)
         runner = Runner(cfg, ParallelInfo(0, n, comm))
-        ray.get(refs, timeout=init_timeout_s)
+        ray.get(self._inits, timeout=init_timeout_s)
         for w in self.workers:
             w.start.remote()
         rank0 = RankExecutor(runner, comm, 0, n)
         self.leader = StepModel(rank0, EpChannel(rank0, comm), n,
                                 keep_alive_s=args.ep_timeout_s / 4)
-        self.world_size = n
 
     def alive(self, timeout_s: float = 2.0) -> str | None:
         """None when every worker answers a ping in time, else why not."""

@@ -43,10 +43,14 @@ class HeadActor:
                  step_deadline_s: float = 60.0):
         logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
         self.args = EngineArgs.from_dict(engine_args).resolved()
-        set_engine_threads(self.args.device)
         self.placement_group = placement_group
-        self.step_deadline_s = step_deadline_s
         self.group = None
+        if self.args.ep_size > 1:  # first: the ranks' processes load while this one does
+            from epserve.cluster.ep_group import EpGroup
+
+            self.group = EpGroup(self.args, placement_group)
+        set_engine_threads(self.args.device)
+        self.step_deadline_s = step_deadline_s
         self._reforming = False
         self._unhealthy: str | None = None
         self.reforms = 0
@@ -59,12 +63,14 @@ class HeadActor:
         freeze_heap()
 
     def _build(self) -> tuple[Any, Any, Any]:
-        """A new engine (and, with EP, a new group of ranks)."""
+        """A new engine (and, with EP, a new group of ranks, unless they are starting)."""
         runner = None
         if self.args.ep_size > 1:
             from epserve.cluster.ep_group import EpGroup
 
-            self.group = EpGroup(self.args, self.placement_group)
+            if self.group is None:
+                self.group = EpGroup(self.args, self.placement_group)
+            self.group.join()
             runner = self.group.leader
         return build_engine(self.args, runner=runner)
 

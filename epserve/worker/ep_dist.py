@@ -15,13 +15,6 @@ from datetime import timedelta
 import torch.distributed as dist
 
 
-def free_port(addr: str = "127.0.0.1") -> int:
-    """A TCP port free on ``addr`` now (the head hands it to every rank)."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind((addr, 0))
-        return s.getsockname()[1]
-
-
 #: How long ranks wait for each other to join (loading a rank's shard happens before).
 RENDEZVOUS_TIMEOUT_S = 600.0
 

@@ -55,6 +55,7 @@ def test_the_ep_model_is_a_model_and_its_forms_match_one_rank(ray_cluster, ckpt6
     pg = placement_group([bundle("cpu")] * ep_size, strategy="STRICT_PACK")
     ray_cluster.get(pg.ready(), timeout=60)
     group = EpGroup(args, pg)
+    group.join()
     try:
         assert isinstance(group.leader, Model) and type(group.leader) is StepModel
         assert _greedy_run(group.leader) == want

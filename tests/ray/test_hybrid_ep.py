@@ -106,6 +106,7 @@ def test_a_rewind_outside_the_verify_fails_only_its_request_on_every_rank(ray_cl
     pg = placement_group([bundle("cpu")] * 2, strategy="STRICT_PACK")
     ray_cluster.get(pg.ready(), timeout=60)
     group = EpGroup(args, pg)
+    group.join()
     fired: dict = {}
     try:
         engine = build_engine(args, runner=group.leader)[0]

@@ -242,6 +242,7 @@ def ep3_engine(ray_cluster, ckpt6):
     pg = placement_group([bundle("cpu")] * 3, strategy="STRICT_PACK")
     ray_cluster.get(pg.ready(), timeout=60)
     group = EpGroup(args, pg)
+    group.join()
     try:
         yield group, build_engine(args, runner=group.leader)[0]
     finally:
