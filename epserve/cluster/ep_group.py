@@ -81,6 +81,7 @@ class EpGroup:
         comm = EpComm(0, n, self.num_experts, group, cpu_group)
         runner = Runner(cfg, ParallelInfo(0, n, comm))
         ray.get(self._inits, timeout=init_timeout_s)
+        self._inits = []
         for w in self.workers:
             w.start.remote()
         rank0 = RankExecutor(runner, comm, 0, n)
