@@ -115,7 +115,7 @@ class EpGroup:
 
         from epserve.worker.ep_dist import leave_ep_group
 
-        if graceful:
+        if graceful and self.leader is not None:  # joined: the ranks take a command
             self.leader.shutdown_workers()
         for w in self.workers:
             ray.kill(w, no_restart=True)

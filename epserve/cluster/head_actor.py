@@ -70,7 +70,12 @@ class HeadActor:
 
             if self.group is None:
                 self.group = EpGroup(self.args, self.placement_group)
-            self.group.join()
+            try:
+                self.group.join()
+            except BaseException:  # no half-made group stays: its ranks go now
+                self.group.shutdown(graceful=False)
+                self.group = None
+                raise
             runner = self.group.leader
         return build_engine(self.args, runner=runner)
 

@@ -43,14 +43,14 @@ class Fanout:
         # Every stream is read to its end, even one whose first output now says finished: the
         # output object grows in place, so "finished" may have arrived after the first was
         # taken, and only the stream's own next step times the request's end (e2e metrics).
-        live = list(range(len(self._streams)))
-        if len(live) == 1:  # one prompt (most requests): read it directly, no task and queue
-            async for out in self._streams[live[0]]:
-                yield live[0], out
+        if len(self._streams) == 1:  # one prompt (most requests): no task and queue
+            async for out in self._streams[0]:
+                yield 0, out
             return
         queue: asyncio.Queue = asyncio.Queue()
-        self._tasks = [asyncio.create_task(self._pump(i, queue)) for i in live]
-        remaining = len(live)
+        self._tasks = [asyncio.create_task(self._pump(i, queue))
+                       for i in range(len(self._streams))]
+        remaining = len(self._tasks)
         while remaining:
             i, item = await queue.get()
             if item is None:
