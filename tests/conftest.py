@@ -35,6 +35,21 @@ def _engine_threads() -> None:
 
 _engine_threads()
 
+# The tests that share the session's Ray cluster (tests/ray, tests/http, anything asking for
+# ``ray_cluster``) and the rest are the two halves README's `pytest -n 2 --dist loadgroup` runs
+# side by side (pytest-xdist): each half stays in one process, so one Ray cluster and one HTTP
+# server serve a session as before; a split by file started a cluster in each worker, and their
+# servers and ports collided. The halves take about the same time (session 23, 2-core VM: ~370 s
+# and ~340 s alone, 470 s side by side against 735 s one after the other).
+_RAY_DIRS = ("ray", "http")
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    for item in items:
+        shares_ray = (item.path.parent.name in _RAY_DIRS
+                      or "ray_cluster" in getattr(item, "fixturenames", ()))
+        item.add_marker(pytest.mark.xdist_group("ray" if shares_ray else "local"))
+
 
 @pytest.fixture(scope="session")
 def qwen3_ckpt(tmp_path_factory) -> Path:
