@@ -38,9 +38,9 @@ _engine_threads()
 # The tests that share the session's Ray cluster (tests/ray, tests/http, anything asking for
 # ``ray_cluster``) and the rest are the two halves README's `pytest -n 2 --dist loadgroup` runs
 # side by side (pytest-xdist): each half stays in one process, so one Ray cluster and one HTTP
-# server serve a session as before; a split by file started a cluster in each worker, and their
-# servers and ports collided. The halves take about the same time (session 23, 2-core VM: ~370 s
-# and ~340 s alone, 470 s side by side against 735 s one after the other).
+# server serve a session as in a serial run (a split by file, tried in session 22, failed dozens
+# of tests, not diagnosed). The halves take about the same time (session 23, 2-core VM: ~370 s
+# and ~340 s alone, 441-470 s side by side against 735 s one after the other).
 _RAY_DIRS = ("ray", "http")
 
 
