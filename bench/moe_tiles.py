@@ -15,6 +15,9 @@ part of its 75 MB from the 50 MB L2 instead (session 3's T=1 figure, 28 us, was 
 
     python bench/moe_tiles.py [--tokens 1 256 8192] [--wide] [--gemm 1 2] [--rounds 2] [--parts]
 
+``--tiles "m128|n128 k64 w8 s4|n256 k64 w8 s4" ...`` times just those tiles (the table's own
+format, spaces or ``|`` between fields) beside the defaults, no search: a few candidates in
+seconds rather than a search's minutes of compiles.
 ``--rounds 2`` runs the coordinate search twice (block_m again after the GEMMs' tiles moved);
 ``--parts`` prints, for the best tiles at each T, the GPU time of each kernel of one call (the
 layout's torch ops, GEMM 1, GEMM 2, the combine) from the torch profiler, with each GEMM's
@@ -25,6 +28,7 @@ from __future__ import annotations
 
 import argparse
 import itertools
+import re
 import sys
 from dataclasses import replace
 
@@ -99,6 +103,17 @@ def parts(call, flop1: int, flop2: int) -> str:
     return "; ".join(out)
 
 
+def parse_tiles(text: str) -> MoeTiles:
+    """``MoeTiles.describe()``'s format back: ``m | n k w s | n k w s``."""
+    f = re.findall(r"([mnkws])(\d+)", text)
+    want = "mnkwsnkws"
+    if "".join(c for c, _ in f) != want:
+        raise argparse.ArgumentTypeError(f"tiles {text!r}: want m | n k w s | n k w s")
+    v = [int(n) for _, n in f]
+    return MoeTiles(block_m=v[0], block_n1=v[1], block_k1=v[2], warps1=v[3], stages1=v[4],
+                    block_n2=v[5], block_k2=v[6], warps2=v[7], stages2=v[8])
+
+
 def gemm_space(t: int, wide: bool) -> list[tuple[int, int, int, int]]:
     """(n, k, warps, stages) candidates for one GEMM at T tokens (``wide``: a larger grid)."""
     if t <= 16:  # weight streaming: narrow tiles, deep K
@@ -119,6 +134,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--gemm", nargs="+", default=["1", "2"], choices=["1", "2"],
                     help="which GEMMs' tiles to search")
     ap.add_argument("--rounds", type=int, default=1, help="coordinate-search passes")
+    ap.add_argument("--tiles", type=parse_tiles, nargs="+", default=None, metavar="TILES",
+                    help="time these tiles beside the defaults instead of searching")
     ap.add_argument("--parts", action="store_true",
                     help="per-kernel GPU time of one call with the best tiles (profiler)")
     args = ap.parse_args(argv)
@@ -153,7 +170,20 @@ def main(argv: list[str] | None = None) -> int:
         best = base
         tried = 1
         bms = (16, 32, 64) if t <= 256 else (64, 128)
-        for _ in range(args.rounds):
+        want = fused_moe_triton(x, w13, w2, routings[0], wts, tiles=base).float()
+        for cand in args.tiles or []:  # the candidates given, no search; same output checked
+            ms, tried = timed(cand), tried + 1
+            if ms < float("inf"):
+                got = fused_moe_triton(x, w13, w2, routings[0], wts, tiles=cand).float()
+                err = ((got - want).abs().max() / want.abs().max()).item()
+                if err > 2e-2:  # bf16 rounding of other summation orders is far below
+                    print(f"T={t} {cand.describe()}: WRONG (max error {err:.3g} of the "
+                          f"largest output)", flush=True)
+                    continue
+            print(f"T={t} {cand.describe()}: {ms:.4f} ms", flush=True)
+            if ms < best_ms:
+                best, best_ms = cand, ms
+        for _ in range(0 if args.tiles else args.rounds):
             for bm in bms:  # coordinate 1: block_m
                 cand = replace(best, block_m=bm)
                 ms, tried = timed(cand), tried + 1
