@@ -2,7 +2,7 @@
 
 Every rank runs the same ``run`` on the same command: rank 0 with the command handed over as
 an object (one rank: nothing is encoded), ranks above 0 on the frame they received
-(``worker_step``, the seed's ``ModelEp::ep_worker_step`` body). So there is one validator
+(``ep_worker_step``, the seed's ``ModelEp::ep_worker_step`` body). So there is one validator
 (``worker.ep_mirror``) and one input builder for every ``ep_size``. Invariants: an invalid
 command raises ``EpCommandFailed`` on every rank and changes nothing; preparation that could
 fail on one rank only ends in an agreement all-reduce, so all raise or none does; under EP a
