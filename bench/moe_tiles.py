@@ -139,6 +139,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--parts", action="store_true",
                     help="per-kernel GPU time of one call with the best tiles (profiler)")
     args = ap.parse_args(argv)
+    if args.tiles and (args.rounds != 1 or args.wide or args.gemm != ["1", "2"]):
+        ap.error("--tiles times the tiles given: --rounds, --wide and --gemm shape a search")
     g = torch.Generator(device="cuda").manual_seed(0)
     w13 = (torch.randn(E, 2 * I, H, device="cuda", generator=g) / H ** 0.5).bfloat16()
     w2 = (torch.randn(E, H, I, device="cuda", generator=g) / I ** 0.5).bfloat16()
@@ -170,7 +172,8 @@ def main(argv: list[str] | None = None) -> int:
         best = base
         tried = 1
         bms = (16, 32, 64) if t <= 256 else (64, 128)
-        want = fused_moe_triton(x, w13, w2, routings[0], wts, tiles=base).float()
+        if args.tiles:
+            want = fused_moe_triton(x, w13, w2, routings[0], wts, tiles=base).float()
         for cand in args.tiles or []:  # the candidates given, no search; same output checked
             ms, tried = timed(cand), tried + 1
             if ms < float("inf"):
