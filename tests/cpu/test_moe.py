@@ -308,11 +308,12 @@ CASES = [
     (64, 8, 60, 60, 0, 16),    # E not a power of two
     (37, 2, 8, 8, 0, 64),      # big blocks, uneven groups
     (300, 8, 16, 16, 0, 32),   # many chunks per expert
+    (600, 8, 64, 128, 64, 32),  # a shard over 38 chunks: counts summed across programs
     (4, 2, 4, 8, 100, 16),     # nothing local
 ]
 
 
-IMPLS = ["moe_align", "moe_align_torch"]  # the one-program kernel, the sync-free torch ops
+IMPLS = ["moe_align", "moe_align_torch"]  # the chunked Triton kernels, the sync-free torch ops
 
 
 @needs_triton

@@ -100,3 +100,21 @@ def test_no_host_sync(weights, t):
         torch.cuda.set_sync_debug_mode("default")
     syncs = [str(w.message) for w in caught if "synchroniz" in str(w.message).lower()]
     assert not syncs, syncs
+
+
+@pytest.mark.parametrize("t,e,off,bm", [(3, 128, 0, 16), (256, 128, 0, 32), (512, 128, 0, 64),
+                                        (256, 64, 64, 32), (500, 60, 0, 16)])
+def test_align_layout_on_cuda_is_the_reference(t, e, off, bm):
+    # the chunk programs run at once on the GPU (one at a time under the interpreter): the
+    # layout must not depend on their order; T=256 at block_m 32 is the short workload's decode
+    from epserve.kernels.triton.moe_align import max_aligned_blocks, moe_align, moe_align_ref
+
+    g = torch.Generator(device="cuda").manual_seed(t + e)
+    ids = torch.randint(0, 128, (t, K), device="cuda", generator=g)
+    want_ids, want_blocks = moe_align_ref(ids, e, off, bm)
+    for _ in range(3):
+        got_ids, got_blocks = moe_align(ids, e, off, bm)
+        nb, n = max_aligned_blocks(t * K, e, bm), want_blocks.numel()
+        assert got_ids.shape == (nb * bm,) and got_blocks.shape == (nb,)
+        assert torch.equal(got_blocks[:n], want_blocks) and torch.equal(got_ids[:n * bm], want_ids)
+        assert torch.all(got_blocks[n:] == -1) and torch.all(got_ids[n * bm:] == t * K)

@@ -28,11 +28,11 @@ from epserve.kernels.dispatch import DTYPES
 from epserve.kernels.triton.moe_align import moe_align, moe_align_torch
 from epserve.kernels.triton.pdl import pdl
 
-#: Up to this many (token, k) pairs the layout comes from the one-program Triton ``moe_align``
-#: (one launch: decode steps, which CUDA graphs capture, stay far below it). Above it (prefill
-#: chunks) ``moe_align_torch`` builds the same static layout with a sort spread over the GPU,
-#: where one program would walk tens of thousands of pairs serially. Neither syncs with the
-#: host (the reference's data-sized layout cost one sync per layer).
+#: Up to this many (token, k) pairs the layout comes from the Triton ``moe_align`` (a program
+#: per chunk of pairs, two launches: decode steps, which CUDA graphs capture, stay far below
+#: it). Above it (prefill chunks) ``moe_align_torch`` builds the same static layout with a
+#: stable sort. Neither syncs with the host (the reference's data-sized layout cost one sync
+#: per layer).
 ALIGN_IN_KERNEL_MAX_PAIRS = 4096
 
 #: Up to this many pairs (batch 1-2 decode at top-8) there is no layout at all: each pair is

@@ -6,12 +6,16 @@ expert's pairs (ascending, so stable) padded to a multiple of ``block_m`` with t
 outside ``[expert_offset, expert_offset + E)`` are dropped (another rank owns them).
 
 ``moe_align_ref`` (torch) is the definition and returns exactly that layout (its size depends on
-the routing, so it syncs with the host). ``moe_align`` (Triton, one program) returns the same
+the routing, so it syncs with the host). ``moe_align`` (Triton, two launches) returns the same
 layout inside buffers whose size depends only on (T, K, E, block_m) — the blocks after the layout
 hold sentinels and expert -1 (no work) — and never syncs with the host, so a CUDA graph can
-capture it. ``moe_align_torch`` returns the same static layout from a few torch ops (a stable
-sort spread over the GPU) and also never syncs: the choice for many pairs (prefill), where the
-one Triton program would walk tens of thousands of pairs serially. The bound: experts with pairs number at most min(E, T*K), and each wastes fewer than
+capture it. It splits the pairs into chunks, a program each: the first launch counts each
+chunk's pairs per expert, the second gives every program all the counts (a few KiB) so it can
+place its chunk's pairs, and fill its share of the blocks, without waiting for any other. (It
+was one program walking the pairs serially: 0.12 ms of a 0.55 ms MoE layer at 256 decode rows
+on an H100, bench/RESULTS.md, session 25.) ``moe_align_torch`` returns the same static layout
+from a few torch ops (a stable sort) and also never syncs: the choice for many pairs (prefill).
+The bound: experts with pairs number at most min(E, T*K), and each wastes fewer than
 ``block_m`` slots, so the layout fits ``T*K + min(E, T*K) * (block_m - 1)`` slots.
 """
 
@@ -63,52 +67,73 @@ def _expert_hits(ids_ptr, offs, n, expert_offset, num_local, experts):
     return ((e[:, None] == experts[None, :]) & valid[:, None]).to(tl.int32), valid
 
 
-@triton.jit(do_not_specialize=["n", "num_blocks"])  # vary with T: one compile
-def _moe_align_kernel(ids_ptr, sorted_ptr, block_expert_ptr, n, num_local, expert_offset,
-                      num_blocks, BLOCK_M: tl.constexpr, E_P: tl.constexpr, CHUNK: tl.constexpr,
-                      PDL: tl.constexpr):
-    """One program: count per expert, place blocks, fill sentinels, scatter pairs in order.
-    Loops are while-loops over runtime bounds (the interpreter cannot ``range`` over them)."""
+@triton.jit(do_not_specialize=["n"])  # varies with T: one compile
+def _align_count_kernel(ids_ptr, counts_ptr, n, num_local, expert_offset, E_P: tl.constexpr,
+                        CHUNK: tl.constexpr, PDL: tl.constexpr):
+    """Program c: how many of pairs [c * CHUNK, (c + 1) * CHUNK) each local expert has."""
     if PDL:  # before any load or store (pdl.py)
         tl.extra.cuda.gdc_wait()
         tl.extra.cuda.gdc_launch_dependents()
+    c = tl.program_id(0)
+    experts = tl.arange(0, E_P)
+    hit, _ = _expert_hits(ids_ptr, c * CHUNK + tl.arange(0, CHUNK), n, expert_offset, num_local,
+                          experts)
+    tl.store(counts_ptr + c * E_P + experts, tl.sum(hit, axis=0))
+
+
+@triton.jit(do_not_specialize=["n", "num_chunks", "num_blocks"])  # vary with T: one compile
+def _align_place_kernel(ids_ptr, counts_ptr, sorted_ptr, block_expert_ptr, n, num_chunks,
+                        num_local, expert_offset, num_blocks, BLOCK_M: tl.constexpr,
+                        E_P: tl.constexpr, CHUNK: tl.constexpr, PDL: tl.constexpr):
+    """Program c: every expert's place from all chunks' counts (each program sums them again:
+    a few KiB), then chunk c's pairs to their slots, and its share of the blocks: each block's
+    expert, a sentinel in each slot no pair takes. Pairs and sentinels go to disjoint slots,
+    so no program waits for another. Loops are while-loops over runtime bounds (the
+    interpreter cannot ``range`` over them)."""
+    if PDL:  # before any load or store (pdl.py)
+        tl.extra.cuda.gdc_wait()
+        tl.extra.cuda.gdc_launch_dependents()
+    me = tl.program_id(0)
     experts = tl.arange(0, E_P)
     lane = tl.arange(0, CHUNK)
-    counts = tl.zeros([E_P], tl.int32)
-    c = 0
-    while c < n:
-        hit, _ = _expert_hits(ids_ptr, c + lane, n, expert_offset, num_local, experts)
-        counts += tl.sum(hit, axis=0)
-        c += CHUNK
-    padded = (counts + BLOCK_M - 1) // BLOCK_M * BLOCK_M
+    total = tl.zeros([E_P], tl.int32)
+    before = tl.zeros([E_P], tl.int32)  # pairs of each expert in the chunks before this one
+    r = 0
+    while r < num_chunks:
+        ch = r + lane
+        cnt = tl.load(counts_ptr + ch[:, None] * E_P + experts[None, :],
+                      mask=(ch < num_chunks)[:, None], other=0)
+        total += tl.sum(cnt, axis=0)
+        before += tl.sum(tl.where((ch < me)[:, None], cnt, 0), axis=0)
+        r += CHUNK
+    padded = (total + BLOCK_M - 1) // BLOCK_M * BLOCK_M
     end = tl.cumsum(padded, axis=0)
     start = end - padded
-    b = 0
-    while b < num_blocks:
+    offs = me * CHUNK + lane
+    hit, valid = _expert_hits(ids_ptr, offs, n, expert_offset, num_local, experts)
+    rank = tl.cumsum(hit, axis=0) - 1  # [CHUNK, E_P]: earlier pairs of the chunk, same expert
+    pos = tl.sum(hit * (rank + (start + before)[None, :]), axis=1)
+    tl.store(sorted_ptr + pos, offs, mask=valid)
+    per = (num_blocks + tl.num_programs(0) - 1) // tl.num_programs(0)
+    b_lo = me * per
+    b_hi = tl.minimum(b_lo + per, num_blocks)
+    b = b_lo
+    while b < b_hi:
         blk = b + lane
         row = blk * BLOCK_M
         inside = (row[:, None] >= start[None, :]) & (row[:, None] < end[None, :])
         ex = tl.sum(tl.where(inside, experts[None, :], 0), axis=1)
         owned = tl.sum(inside.to(tl.int32), axis=1) > 0
-        tl.store(block_expert_ptr + blk, tl.where(owned, ex, -1), mask=blk < num_blocks)
+        tl.store(block_expert_ptr + blk, tl.where(owned, ex, -1), mask=blk < b_hi)
         b += CHUNK
-    total = num_blocks * BLOCK_M
-    p = 0
-    while p < total:
-        offs = p + lane
-        tl.store(sorted_ptr + offs, tl.zeros([CHUNK], tl.int32) + n, mask=offs < total)
-        p += CHUNK
-    tl.debug_barrier()  # the sentinel fill lands before the pairs overwrite their slots
-    seen = tl.zeros([E_P], tl.int32)
-    c = 0
-    while c < n:
-        offs = c + lane
-        hit, valid = _expert_hits(ids_ptr, offs, n, expert_offset, num_local, experts)
-        rank = tl.cumsum(hit, axis=0) - 1  # [CHUNK, E_P]: earlier pairs of the chunk, same expert
-        pos = tl.sum(hit * (rank + (start + seen)[None, :]), axis=1)
-        tl.store(sorted_ptr + pos, offs, mask=valid)
-        seen += tl.sum(hit, axis=0)
-        c += CHUNK
+    s = b_lo * BLOCK_M
+    while s < b_hi * BLOCK_M:
+        slot = s + lane
+        taken = (slot[:, None] >= start[None, :]) & (slot[:, None] < (start + total)[None, :])
+        pad = tl.sum(taken.to(tl.int32), axis=1) == 0
+        tl.store(sorted_ptr + slot, tl.zeros([CHUNK], tl.int32) + n,
+                 mask=pad & (slot < b_hi * BLOCK_M))
+        s += CHUNK
 
 
 def _check_align_args(topk_ids: torch.Tensor, num_local_experts: int, block_m: int) -> None:
@@ -170,7 +195,12 @@ def moe_align(topk_ids: torch.Tensor, num_local_experts: int, expert_offset: int
         return sorted_ids, block_expert
     e_p = triton.next_power_of_2(num_local_experts)
     chunk = max(16, min(256, 8192 // e_p))
-    _moe_align_kernel[(1,)](ids, sorted_ids, block_expert, n, num_local_experts, expert_offset,
-                            nb, BLOCK_M=block_m, E_P=e_p, CHUNK=chunk, num_warps=8,
-                            **pdl(_moe_align_kernel))
+    num_chunks = triton.cdiv(n, chunk)
+    counts = torch.empty((num_chunks, e_p), dtype=torch.int32, device=ids.device)
+    _align_count_kernel[(num_chunks,)](ids, counts, n, num_local_experts, expert_offset, E_P=e_p,
+                                       CHUNK=chunk, num_warps=4, **pdl(_align_count_kernel))
+    _align_place_kernel[(num_chunks,)](ids, counts, sorted_ids, block_expert, n, num_chunks,
+                                       num_local_experts, expert_offset, nb, BLOCK_M=block_m,
+                                       E_P=e_p, CHUNK=chunk, num_warps=4,
+                                       **pdl(_align_place_kernel))
     return sorted_ids, block_expert
