@@ -180,10 +180,10 @@ def default_tiles(num_pairs: int, num_local: int, h: int, inter: int,
                   elem_bytes: int = 2) -> MoeTiles:
     """Tiles from the mean pairs per expert if routing were uniform (no sync). ``block_m``
     covers the mean plus three standard deviations (Poisson), so most experts fit one block
-    and their weights are streamed once. Three regimes, decode (<= 16 rows per expert), mid
-    (<= 64) and prefill, each with the launch shape ``bench/moe_tiles.py`` found best for it
-    (bench/RESULTS.md, "Kernel tuning history"). ``elem_bytes`` 4 (fp32) halves block_k so the
-    pipelined tiles still fit in shared memory.
+    and their weights are streamed once. Four regimes, decode (<= 16 rows per expert), mid
+    (<= 64), prefill and long prefill (> 256), each with the launch shape
+    ``bench/moe_tiles.py`` found best for it (bench/RESULTS.md, "Kernel tuning history").
+    ``elem_bytes`` 4 (fp32) halves block_k so the pipelined tiles still fit in shared memory.
     """
     avg = num_pairs / max(num_local, 1)
     want = avg + 3.0 * avg ** 0.5
@@ -191,8 +191,10 @@ def default_tiles(num_pairs: int, num_local: int, h: int, inter: int,
         bm, g1, g2 = 16, (64, 128, 4, 5), (64, 128, 4, 3)
     elif want <= 64:
         bm, g1, g2 = (32 if want <= 32 else 64), (128, 128, 8, 2), (128, 128, 4, 2)
-    else:
+    elif want <= 256:
         bm, g1, g2 = 64, (256, 64, 8, 3), (256, 32, 4, 4)
+    else:  # long prefill chunks (T >= ~3,500 tokens at top-8 of 128)
+        bm, g1, g2 = 128, (128, 64, 8, 4), (256, 64, 8, 4)
 
     def fit(block: int, dim: int) -> int:
         return min(block, max(16, triton.next_power_of_2(dim)))
