@@ -99,7 +99,9 @@ def run_epserve(cfg: dict, work: dict, args, dtype: str) -> list[Result]:
     llm = LLM(model=str(folder), dtype=dtype, load_format="dummy", device=args.device,
               max_model_len=max_len, max_num_seqs=args.max_num_seqs,
               max_num_batched_tokens=args.max_num_batched_tokens,
-              gpu_memory_utilization=args.gpu_memory_utilization, **extra)
+              gpu_memory_utilization=args.gpu_memory_utilization,
+              enable_prefix_caching=not args.no_prefix_caching,
+              num_kv_blocks=args.num_kv_blocks, **extra)
     model = llm.model
     runner = model.runner  # the device side: KV blocks, graphs
     graphs = getattr(runner, "graphs", None)
@@ -109,7 +111,8 @@ def run_epserve(cfg: dict, work: dict, args, dtype: str) -> list[Result]:
           f"{runner.num_blocks} x {runner.block_size} tokens, gpu_memory_utilization="
           f"{args.gpu_memory_utilization}, decode CUDA graphs="
           f"{'off' if graphs is None else getattr(graphs, 'rungs', 'on')}, "
-          f"prefix caching on (prompts share no prefix)", flush=True)
+          f"prefix caching {'off' if args.no_prefix_caching else 'on'} (prompts share no prefix)",
+          flush=True)
     steps = [0]
     real_step = llm.engine.step
 
@@ -144,6 +147,8 @@ def run_epserve(cfg: dict, work: dict, args, dtype: str) -> list[Result]:
         sp = SamplingParams(temperature=0.0, max_tokens=out_len, ignore_eos=True)
         runs = []
         for rep in range(args.repeats):
+            if rep and args.repeat_gap:
+                time.sleep(args.repeat_gap)
             # each run its own prompts (seed 0 first, as transformers'): a repeat of the same
             # prompts would be served from the prefix cache
             ps = [{"prompt_token_ids": p}
@@ -211,6 +216,11 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--repeats", type=int, default=1,
                     help="epserve: time each workload this many times (new prompts each "
                     "time), report the median run")
+    ap.add_argument("--repeat-gap", type=float, default=0.0, metavar="S",
+                    help="seconds idle before each repeat (does the GPU cool between runs?)")
+    ap.add_argument("--num-kv-blocks", type=int, help="epserve: KV blocks (default: by memory)")
+    ap.add_argument("--no-prefix-caching", action="store_true",
+                    help="epserve: freed blocks go straight back to the free list")
     ap.add_argument("--profile-outside", type=int, default=0, metavar="N",
                     help="cProfile the host work outside the forwards; print its top N")
     ap.add_argument("--max-num-seqs", type=int, default=256)

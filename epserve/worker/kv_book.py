@@ -108,6 +108,18 @@ class KvBook:
         return True
 
 
+    def reserve_ahead(self, seq: SequenceState, num_tokens: int) -> bool:
+        """``reserve_blocks`` for blocks a step takes before the scheduler would (the decode
+        lookahead's next position, the MTP drafts'): when the free blocks are short it evicts
+        cached prefix blocks of ``seq``'s pool first, as the scheduler does before the next
+        step, and never preempts. A pool that has served for a while holds every free block
+        as a cached prefix: without the eviction the lookahead stopped at each block boundary
+        (bench/RESULTS.md, session 25)."""
+        if self.reserve_blocks(seq, num_tokens):
+            return True
+        need = -(-num_tokens // self.block_size) - len(seq.block_table)
+        return self.reclaim_prefix_blocks(need, seq) > 0 and self.reserve_blocks(seq, num_tokens)
+
     def trim(self, seq: SequenceState, num_tokens: int) -> int:
         """Give back ``seq``'s blocks past those covering ``num_tokens`` positions (a verify's
         rejected tail); the blocks kept."""

@@ -224,7 +224,7 @@ class StepModel(ForwardForms, KvLifecycle):
         limit = self.max_model_len - 2
         if not all(s.lookahead and s.seq_len <= limit for s in decode_seqs):
             return False
-        reserve = self.book.reserve_blocks
+        reserve = self.book.reserve_ahead
         return all(reserve(s, s.seq_len + 2) for s in decode_seqs)
 
     def build_command(self, decode_tokens: Sequence[int], decode_seqs: Sequence[SequenceState],
@@ -283,7 +283,7 @@ class StepModel(ForwardForms, KvLifecycle):
         extra, most = self.mtp_drafts - 1, self.max_model_len
         if not extra:
             return
-        reserve = self.book.reserve_blocks
+        reserve = self.book.reserve_ahead
         for i, seq in enumerate(decode_seqs):
             reserve(seq, min(most, seq.seq_len + 1 + (len(drafts[i]) if drafts else 0) + extra))
         for sl in prefill_slices:

@@ -92,3 +92,29 @@ def test_lookahead_with_expert_parallelism_is_refused(qwen3_ckpt):
         LLM(model=str(qwen3_ckpt), device="cpu", decode_lookahead=True, ep_size=2)
     with pytest.raises(ValueError, match="decode_lookahead must be"):
         LLM(model=str(qwen3_ckpt), device="cpu", decode_lookahead="yes")
+
+
+def _two_batches(ckpt, lookahead: bool) -> tuple[list, list[int]]:
+    """Two batches one after the other on a pool that the first leaves full of cached
+    prefixes; each batch's outputs and lookahead forwards."""
+    llm = LLM(model=str(ckpt), dtype="float32", device="cpu", decode_lookahead=lookahead,
+              block_size=4, num_kv_blocks=40)
+    params = SamplingParams(temperature=0.0, max_tokens=20, ignore_eos=True)
+    outs, launched = [], []
+    for seed in (21, 22):
+        before = llm.model.lookahead.launched if lookahead else 0
+        outs.append([o.outputs[0].token_ids for o in llm.generate(_prompts(4, seed), params)])
+        launched.append(llm.model.lookahead.launched - before if lookahead else 0)
+    pool = llm.model.book.pools[0]
+    assert pool.num_cached_free_blocks() > pool.num_free_blocks()  # the pool a server runs at
+    return outs, launched
+
+
+def test_the_lookahead_runs_on_a_pool_of_cached_prefixes(tiny_ckpt):
+    # a server's pool after a while: every free block caches a prefix. The lookahead's next
+    # block comes from them (as the scheduler's would), so the second batch is run ahead as
+    # often as the first, which found free blocks (it stopped at every block boundary)
+    off, _ = _two_batches(tiny_ckpt, False)
+    on, launched = _two_batches(tiny_ckpt, True)
+    assert on == off
+    assert launched[0] >= 15 and launched[1] == launched[0]  # 18 of 20 steps; 9 before
