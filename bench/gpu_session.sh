@@ -132,8 +132,9 @@ case "$stage" in
         --steps 8 --decode-only &&
       python bench/profile_decode.py --model-shape qwen3.5-35b-a3b --layers $L --mtp 2 \
         --steps 16 --host; } 2>&1 | tee "$log" ;;
-  moe-tiles)  # the decode step's MoE at 256 rows reads the experts at ~3.0 TB/s (session 3)
-    # of ~4.2: the short workload's largest lever; the prefill candidate won 5% in session 24
+  moe-tiles)  # tile candidates at a 256-row decode step (none beat the defaults on the H100
+    # in session 25, where --parts found the serial layout kernel) and an 8192-token chunk;
+    # a winner goes through the workload with bench/tiles_workload.py --best-of $OUT/moe-tiles.log
     { timeout 150 python bench/moe_tiles.py --tokens 256 --parts --tiles \
         "m32|n128 k128 w8 s3|n128 k128 w4 s3" "m32|n64 k128 w4 s3|n128 k128 w4 s2" \
         "m32|n128 k64 w4 s4|n128 k64 w4 s4" "m16|n128 k128 w4 s2|n128 k128 w4 s2" \
