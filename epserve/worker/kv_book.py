@@ -107,7 +107,6 @@ class KvBook:
         self.grown.append(seq)
         return True
 
-
     def reserve_ahead(self, seq: SequenceState, num_tokens: int) -> bool:
         """``reserve_blocks`` for blocks a step takes before the scheduler would (the decode
         lookahead's next position, the MTP drafts'): when the free blocks are short it evicts
